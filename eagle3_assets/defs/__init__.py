@@ -1,0 +1,1 @@
+"""The Dagster layer: thin assets, checks and resources over the Dagster-free core modules."""

@@ -1,0 +1,69 @@
+"""``raw_prompts``: the validated, deduplicated prompt table and the partitions it defines."""
+
+import dagster as dg
+
+from eagle3_assets import plots, prompts
+from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
+
+
+@dg.asset(
+    group_name="prompts",
+    kinds={"polars", "parquet"},
+    description=(
+        "Every accepted prompt of the dataset (EAGLE3_PROMPTS_PATH) as a normalized conversation with a "
+        "stable sample_id and a fixed position; rows that fail validation go to rejects.jsonl with their "
+        "line and reason. Registers one partition per EAGLE3_PARTITION_SIZE positions."
+    ),
+)
+def raw_prompts(
+    context: dg.AssetExecutionContext, data_store: DataStoreResource, prompt_dataset: PromptDatasetResource
+) -> dg.MaterializeResult:
+    layout = data_store.layout
+    result = prompts.build_prompt_table(
+        prompt_dataset.path, layout, prompt_dataset.partition_size, prompt_dataset.max_reject_share
+    )
+    known = set(context.instance.get_dynamic_partitions(PROMPT_PARTITIONS.name))
+    new_keys = [key for key in result.partition_keys if key not in known]
+    if new_keys:
+        context.instance.add_dynamic_partitions(PROMPT_PARTITIONS.name, new_keys)
+    if result.rejects:
+        context.log.warning(f"{result.rejects} rows rejected; reasons in {result.rejects_path}")
+    chars = result.prompt_chars
+    return dg.MaterializeResult(
+        metadata={
+            "dg.row_count": result.rows,
+            "rows_read": result.rows_read,
+            "rejects": result.rejects,
+            "duplicates": result.duplicates,
+            "new_samples": result.new_samples,
+            "dropped_samples": result.dropped_samples,
+            "partitions": len(result.partition_keys),
+            "new_partitions": dg.MetadataValue.text(", ".join(new_keys) or "none"),
+            "partition_size": result.partition_size,
+            "reject_reasons": dg.MetadataValue.json(result.reject_reasons),
+            "prompt_chars_p50": plots.percentile(chars, 50),
+            "prompt_chars_p95": plots.percentile(chars, 95),
+            "prompt_chars_max": max(chars, default=0),
+            "path": dg.MetadataValue.path(str(result.table_path)),
+            "rejects_path": dg.MetadataValue.path(str(result.rejects_path)),
+            "prompt_length_histogram": dg.MetadataValue.md(
+                plots.histogram_markdown(chars, "Prompt length", "characters")
+            ),
+        }
+    )
+
+
+@dg.asset_check(asset=raw_prompts, description="Every sample_id appears once and every position is unique.")
+def raw_prompts_unique_ids(data_store: DataStoreResource) -> dg.AssetCheckResult:
+    import duckdb
+
+    path = str(data_store.layout.prompts_path).replace("'", "''")
+    with duckdb.connect() as con:
+        rows, ids, positions = con.execute(
+            f"SELECT count(*), count(DISTINCT sample_id), count(DISTINCT position) FROM read_parquet('{path}')"
+        ).fetchone()
+    return dg.AssetCheckResult(
+        passed=bool(rows == ids == positions),
+        metadata={"rows": rows, "distinct_sample_ids": ids, "distinct_positions": positions},
+    )

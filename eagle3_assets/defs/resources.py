@@ -1,0 +1,82 @@
+"""Dagster resources: typed configuration for the data store, the prompt dataset and the verifier.
+
+Defaults come from ``EAGLE3_*`` environment variables when the definitions load (see ``settings.py``)
+and every field can be overridden per run in the launchpad. Values are validated when a run starts, so
+a wrong value fails that run with a message naming the key, before any expensive work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from eagle3_assets import settings
+from eagle3_assets.settings import ConfigError
+from eagle3_assets.storage import DataLayout
+
+
+class DataStoreResource(dg.ConfigurableResource):
+    """Where every asset's files live (``EAGLE3_DATA_DIR``). One folder per asset, one file per partition."""
+
+    data_dir: str = "./data"
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        if not str(self.data_dir).strip():
+            raise ConfigError("EAGLE3_DATA_DIR='': must be a directory path")
+        root = Path(self.data_dir).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"EAGLE3_DATA_DIR={self.data_dir!r}: exists and is not a directory")
+
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout.at(self.data_dir)
+
+
+class PromptDatasetResource(dg.ConfigurableResource):
+    """The prompt dataset and how it is cut into partitions."""
+
+    path: str = str(settings.SAMPLE_PROMPTS_PATH)
+    partition_size: int = 1000
+    max_reject_share: float = 0.05
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        settings.parse_positive_int("EAGLE3_PARTITION_SIZE", self.partition_size)
+        settings.parse_fraction("EAGLE3_MAX_REJECT_SHARE", self.max_reject_share)
+        if not Path(self.path).expanduser().is_file():
+            raise ConfigError(f"EAGLE3_PROMPTS_PATH={self.path!r}: no such file")
+
+
+class VerifierResource(dg.ConfigurableResource):
+    """The verifier (target) model as a local Hugging Face folder, for hidden states and training."""
+
+    path: str = ""
+    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+
+    def resolved_path(self) -> Path:
+        if not self.path.strip():
+            raise ConfigError(
+                "EAGLE3_VERIFIER_PATH='': set it to a local Hugging Face model folder "
+                "(the demo builds one with `eagle3 tiny-model DIR`)"
+            )
+        path = Path(self.path).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"EAGLE3_VERIFIER_PATH={self.path!r}: no config.json in {path}")
+        return path
+
+
+def default_resources() -> dict[str, object]:
+    """Resources with defaults taken from the environment at definition load."""
+    from eagle3_assets.defs.inference import inference_resource_from_env
+
+    env = settings.read_env
+    return {
+        "data_store": DataStoreResource(data_dir=env("EAGLE3_DATA_DIR")),
+        "prompt_dataset": PromptDatasetResource(
+            path=env("EAGLE3_PROMPTS_PATH"),
+            partition_size=env("EAGLE3_PARTITION_SIZE"),
+            max_reject_share=env("EAGLE3_MAX_REJECT_SHARE"),
+        ),
+        "verifier": VerifierResource(path=env("EAGLE3_VERIFIER_PATH") or ""),
+        "inference_server": inference_resource_from_env(),
+    }

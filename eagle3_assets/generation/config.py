@@ -1,0 +1,120 @@
+"""Typed, validated settings of one generation run (Dagster-free; the asset wrapper builds one)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse, urlsplit, urlunsplit
+
+from eagle3_assets.settings import ConfigError
+
+# Request fields the engine sets itself; extra sampling parameters must not override them.
+_RESERVED = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n"})
+
+
+def display_url(url: str) -> str:
+    """The URL without user:password (never let credentials reach a row or a log line)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _fail(name: str, value: object, why: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    base_urls: tuple[str, ...]
+    model: str | None = None  # None: ask GET /v1/models once
+    api_key: str | None = field(default=None, repr=False)  # never logged, never written
+    concurrency: int = 128  # requests in flight for the whole run
+    per_endpoint_cap: int | None = None  # in flight per base URL; None = concurrency
+    max_tokens: int = 8000
+    # None: not sent, so vLLM applies the model's own generation_config defaults
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    extra_sampling: Mapping[str, Any] = field(default_factory=dict)  # e.g. top_k, min_p (vLLM extensions)
+    request_timeout_s: float = 1800.0  # whole request (and the read timeout when not streaming)
+    connect_timeout_s: float = 10.0
+    stream: bool = False
+    transport: str = "openai"  # "openai" (openai.AsyncOpenAI) or "aiohttp" (leaner, same semantics)
+    # streaming: no bytes for this long = retryable failure. Generous: a request queued behind a full batch
+    # gets no bytes until it is scheduled.
+    idle_timeout_s: float = 300.0
+    max_attempts: int = 6
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    bench_after_failures: int = 5  # consecutive retryable failures before an endpoint is benched
+    bench_s: float = 30.0  # first bench period; doubles while probes keep failing
+    fsync_interval_s: float = 2.0
+    progress_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
+        urls = tuple(u.strip().rstrip("/") for u in urls)
+        object.__setattr__(self, "base_urls", urls)
+        if not urls:
+            raise _fail("base_urls", list(urls), "needs at least one http(s) URL")
+        for url in urls:
+            parsed = urlparse(url)
+            if parsed.scheme not in {"http", "https"} or not parsed.netloc:
+                raise _fail("base_urls", url, "is not an http(s) URL like http://127.0.0.1:8000/v1")
+        if len(set(urls)) != len(urls):
+            raise _fail("base_urls", list(urls), "lists the same URL twice")
+        if self.model is not None and not str(self.model).strip():
+            raise _fail("model", self.model, "must be a model name or None (ask /v1/models)")
+        for name in ("concurrency", "max_tokens", "max_attempts", "bench_after_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise _fail(name, value, "must be a positive integer")
+        cap = self.per_endpoint_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise _fail("per_endpoint_cap", cap, "must be a positive integer or None")
+        for name in ("request_timeout_s", "connect_timeout_s", "idle_timeout_s", "backoff_max_s", "bench_s",
+                     "fsync_interval_s", "progress_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise _fail(name, value, "must be a positive number of seconds")
+        if not isinstance(self.backoff_base_s, int | float) or not (0 <= self.backoff_base_s <= self.backoff_max_s):
+            why = f"must be between 0 and backoff_max_s={self.backoff_max_s}"
+            raise _fail("backoff_base_s", self.backoff_base_s, why)
+        if self.temperature is not None and not (0 <= self.temperature <= 100):
+            raise _fail("temperature", self.temperature, "must be >= 0")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise _fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise _fail("seed", self.seed, "must be an integer or None")
+        if self.transport not in ("openai", "aiohttp"):
+            raise _fail("transport", self.transport, "must be 'openai' or 'aiohttp'")
+        clash = _RESERVED & set(self.extra_sampling)
+        if clash:
+            raise _fail("extra_sampling", sorted(clash), "sets fields the engine owns; use the dedicated settings")
+        object.__setattr__(self, "extra_sampling", dict(self.extra_sampling))
+
+    @property
+    def endpoint_cap(self) -> int:
+        return self.per_endpoint_cap or self.concurrency
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The sampling parameters sent with every request (stored with each row as JSON)."""
+        params: dict[str, Any] = {"max_tokens": self.max_tokens}
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.seed is not None:
+            params["seed"] = self.seed
+        params.update(self.extra_sampling)
+        return params
+
+    def redact(self, text: str) -> str:
+        """Replace the API key in any text that may reach a log line, an error or a file."""
+        if self.api_key:
+            text = text.replace(self.api_key, "***")
+        return text

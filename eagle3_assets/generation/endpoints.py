@@ -1,0 +1,102 @@
+"""Routing over several OpenAI-compatible base URLs: least outstanding requests, a cap per endpoint,
+and a bench for an endpoint that keeps failing (then one probe request at a time until it answers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from eagle3_assets.generation.config import display_url
+
+MAX_BENCH_S = 300.0
+
+
+@dataclass
+class Endpoint:
+    url: str
+    index: int
+    cap: int
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    benched_until: float = 0.0
+    bench_s: float = 0.0  # the current bench period; 0 = healthy
+    requests: int = 0
+    failures: int = 0
+    benched_times: int = 0
+
+    @property
+    def benched(self) -> bool:
+        return self.bench_s > 0
+
+
+@dataclass
+class EndpointPool:
+    urls: Sequence[str]
+    cap: int
+    bench_after_failures: int = 5
+    bench_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    log: Callable[[str], None] = lambda _message: None
+    endpoints: list[Endpoint] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.endpoints = [Endpoint(url, i, self.cap) for i, url in enumerate(self.urls)]
+
+    def _available(self, endpoint: Endpoint, now: float) -> bool:
+        if endpoint.benched:
+            # After the bench period one probe request at a time; the rest waits for its verdict.
+            return now >= endpoint.benched_until and endpoint.outstanding == 0
+        return endpoint.outstanding < endpoint.cap
+
+    def acquire(self) -> Endpoint | None:
+        """The available endpoint with the fewest requests in flight (ties: lowest index), or None."""
+        now = self.clock()
+        best: Endpoint | None = None
+        for endpoint in self.endpoints:
+            if self._available(endpoint, now) and (best is None or endpoint.outstanding < best.outstanding):
+                best = endpoint
+        if best is not None:
+            best.outstanding += 1
+            best.requests += 1
+        return best
+
+    def release(self, endpoint: Endpoint, *, server_failure: bool) -> None:
+        """Return a slot. ``server_failure``: a retryable failure that says something about the endpoint
+        (timeout, connection error, 5xx, 429, bad body); a request's own 4xx is not one."""
+        endpoint.outstanding -= 1
+        if not server_failure:
+            if endpoint.benched:
+                self.log(f"endpoint {display_url(endpoint.url)} answered its probe; back in rotation")
+            endpoint.consecutive_failures = 0
+            endpoint.bench_s = 0.0
+            return
+        endpoint.failures += 1
+        endpoint.consecutive_failures += 1
+        if endpoint.benched or endpoint.consecutive_failures >= self.bench_after_failures:
+            # A failed probe doubles the bench; the first bench starts at bench_s.
+            endpoint.bench_s = min(MAX_BENCH_S, endpoint.bench_s * 2) if endpoint.benched else self.bench_s
+            endpoint.benched_until = self.clock() + endpoint.bench_s
+            endpoint.benched_times += 1
+            self.log(
+                f"endpoint {display_url(endpoint.url)} benched for {endpoint.bench_s:.0f}s after "
+                f"{endpoint.consecutive_failures} consecutive failures"
+            )
+
+    def bench(self, endpoint: Endpoint, reason: str) -> None:
+        """Bench an endpoint now (e.g. it failed the preflight); it is probed after ``bench_s``."""
+        endpoint.bench_s = self.bench_s
+        endpoint.benched_until = self.clock() + endpoint.bench_s
+        endpoint.benched_times += 1
+        self.log(f"endpoint {display_url(endpoint.url)} benched for {endpoint.bench_s:.0f}s: {reason}")
+
+    def next_change_in(self) -> float | None:
+        """Seconds until a benched endpoint may be probed (None if none is benched and idle)."""
+        now = self.clock()
+        waits = [max(0.0, e.benched_until - now) for e in self.endpoints if e.benched and e.outstanding == 0]
+        return min(waits) if waits else None
+
+    @property
+    def outstanding(self) -> int:
+        return sum(e.outstanding for e in self.endpoints)

@@ -1,0 +1,335 @@
+"""The request pool: C requests always in flight, classified retries with backoff, a record per sample.
+
+Why a continuously refilled pool and not batches: a batch waits for its slowest request while the server
+sits mostly idle; with heavy-tailed lengths (lognormal sigma 0.8) that wastes most of the capacity. Here a
+slot is refilled the moment a request ends, and a sample waiting out its backoff holds no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle3_assets.generation.client import Completion, RequestFailed, build_body, classify
+from eagle3_assets.generation.config import GenerationConfig, display_url
+from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
+from eagle3_assets.generation.records import STATUS_FAILED, STATUS_OK, PromptToGenerate, normalize_messages
+from eagle3_assets.generation.transport import Transport
+
+Log = Callable[[str], None]
+
+
+def backoff_delay(attempt: int, config: GenerationConfig, retry_after_s: float | None = None,
+                  rng: random.Random | None = None) -> float:
+    """Exponential backoff with 'equal jitter': half fixed, half random, capped; honours Retry-After."""
+    ceiling = min(config.backoff_max_s, config.backoff_base_s * 2 ** (attempt - 1))
+    delay = ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
+    if retry_after_s is not None and retry_after_s > 0:
+        delay = max(delay, min(retry_after_s, config.backoff_max_s))
+    return delay
+
+
+@dataclass
+class EngineStats:
+    total: int = 0  # samples this run had to generate
+    finished: int = 0
+    ok: int = 0
+    failed: int = 0
+    truncated: int = 0
+    requests: int = 0  # HTTP attempts
+    retries: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None  # set when the pool has drained
+    errors: Counter[str] = field(default_factory=Counter)  # terminal error texts (first 200 chars)
+    retry_reasons: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+@dataclass(eq=False)
+class _Item:
+    prompt: PromptToGenerate
+    messages: list[dict[str, str]]
+    attempts: int = 0
+    body: bytes | None = None  # serialized on the first attempt, reused by retries
+
+
+class Engine:
+    """Runs one set of prompts to completion; ``on_finished`` receives each terminal record once."""
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        model: str,
+        transports: Mapping[str, Transport],
+        on_finished: Callable[[dict[str, Any]], None],
+        *,
+        partition_key: str,
+        log: Log,
+        progress_prefix: str = "",
+        already_done: int = 0,
+        rng: random.Random | None = None,
+        unhealthy: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.transports = transports
+        self.on_finished = on_finished
+        self.partition_key = partition_key
+        self.log = log
+        self.progress_prefix = progress_prefix
+        self.already_done = already_done
+        self.rng = rng or random.Random()
+        self.pool = EndpointPool(config.base_urls, config.endpoint_cap, config.bench_after_failures, config.bench_s,
+                                 log=log)
+        for endpoint in self.pool.endpoints:
+            if unhealthy and endpoint.url in unhealthy:
+                self.pool.bench(endpoint, f"preflight failed ({unhealthy[endpoint.url]})")
+        self.params = config.sampling_params()
+        # extra sampling fields go straight into the JSON body (vLLM reads top_k, min_p, ... there)
+        self.sampling_json = json.dumps(self.params, sort_keys=True)
+        self.stats = EngineStats()
+        self._ready: deque[_Item] = deque()
+        self._in_flight = 0
+        self._waiting = 0
+        self._wake = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._timers: set[asyncio.TimerHandle] = set()
+
+    # ------------------------------------------------------------------------------------------ run
+
+    async def run(self, prompts: Sequence[PromptToGenerate]) -> EngineStats:
+        self.stats = EngineStats(total=len(prompts))
+        self._ready = deque(_Item(p, normalize_messages(p.messages)) for p in prompts)
+        progress = asyncio.get_running_loop().create_task(self._progress_loop())
+        try:
+            await self._dispatch()
+            self.stats.ended = time.monotonic()
+        finally:
+            progress.cancel()
+            for timer in self._timers:
+                timer.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            with contextlib.suppress(asyncio.CancelledError):
+                await progress
+        self.log(self.progress_line(final=True))
+        return self.stats
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.concurrency
+        while self._ready or self._in_flight or self._waiting:
+            if self._fatal is not None:
+                raise self._fatal
+            self._wake.clear()
+            while self._ready and self._in_flight < limit:
+                endpoint = self.pool.acquire()
+                if endpoint is None:
+                    break
+                item = self._ready.popleft()
+                self._in_flight += 1
+                task = loop.create_task(self._attempt(item, endpoint))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            timeout = None
+            if self._ready and self._in_flight < limit:
+                timeout = self.pool.next_change_in()  # every endpoint is full or benched
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def _attempt(self, item: _Item, endpoint: Endpoint) -> None:
+        item.attempts += 1
+        self.stats.requests += 1
+        started = time.monotonic()
+        if item.body is None:
+            item.body = build_body(self.model, item.messages, self.params, self.config.stream)
+        body = item.body
+        deadline = self.config.request_timeout_s
+        try:
+            completion = await self.transports[endpoint.url].complete(body, stream=self.config.stream,
+                                                                      deadline_s=deadline)
+        except RequestFailed as failure:
+            self.pool.release(endpoint, server_failure=failure.retryable)
+            self._after_failure(item, endpoint, failure, time.monotonic() - started)
+        except asyncio.CancelledError:
+            self.pool.release(endpoint, server_failure=False)
+            self._in_flight -= 1
+            raise
+        except Exception as error:  # a bug, not a server failure: classify and keep the run going
+            self.pool.release(endpoint, server_failure=False)
+            self._after_failure(item, endpoint, classify(error), time.monotonic() - started)
+        else:
+            self.pool.release(endpoint, server_failure=False)
+            self._finish(item, endpoint, time.monotonic() - started, completion=completion)
+        self._in_flight -= 1
+        self._wake.set()
+
+    def _after_failure(self, item: _Item, endpoint: Endpoint, failure: RequestFailed, latency: float) -> None:
+        message = self.config.redact(failure.message)
+        if failure.retryable and item.attempts < self.config.max_attempts:
+            self.stats.retries += 1
+            self.stats.retry_reasons[message.split(":", 1)[0][:80]] += 1
+            delay = backoff_delay(item.attempts, self.config, failure.retry_after_s, self.rng)
+            self._waiting += 1
+            handle = asyncio.get_running_loop().call_later(delay, self._requeue, item)
+            self._timers.add(handle)
+            return
+        item.body = None
+        if failure.retryable:
+            message = f"gave up after {item.attempts} attempts; last error: {message}"
+        self._finish(item, endpoint, latency, error=message)
+
+    def _requeue(self, item: _Item) -> None:
+        now = asyncio.get_running_loop().time()
+        self._timers = {t for t in self._timers if t.when() > now}
+        self._waiting -= 1
+        self._ready.appendleft(item)  # retries first: they are the oldest samples, finish them soonest
+        self._wake.set()
+
+    def _finish(self, item: _Item, endpoint: Endpoint, latency: float, *, completion: Completion | None = None,
+                error: str | None = None) -> None:
+        item.body = None
+        stats = self.stats
+        ok = completion is not None
+        record = {
+            "sample_id": item.prompt.sample_id,
+            "partition_key": self.partition_key,
+            "messages": item.messages,
+            "reasoning": completion.reasoning if ok else None,
+            "content": completion.content if ok else None,
+            "finish_reason": completion.finish_reason if ok else None,
+            "prompt_tokens": completion.prompt_tokens if ok else None,
+            "completion_tokens": completion.completion_tokens if ok else None,
+            "latency_s": round(latency, 4),
+            "endpoint": display_url(endpoint.url),
+            "attempts": item.attempts,
+            "model": (completion.model if ok else None) or self.model,
+            "sampling_params": self.sampling_json,
+            "status": STATUS_OK if ok else STATUS_FAILED,
+            "error": error,
+            "finished_at": time.time(),
+        }
+        try:
+            self.on_finished(record)
+        except BaseException as exc:  # the journal could not be written (disk full...): stop the run
+            if self._fatal is None:
+                self._fatal = exc
+            self._wake.set()
+            return
+        stats.finished += 1
+        if ok:
+            stats.ok += 1
+            if completion.finish_reason == "length":
+                stats.truncated += 1
+            stats.prompt_tokens += completion.prompt_tokens or 0
+            stats.completion_tokens += completion.completion_tokens or 0
+        else:
+            stats.failed += 1
+            stats.errors[(error or "")[:200]] += 1
+
+    # ------------------------------------------------------------------------------------- progress
+
+    def progress_line(self, final: bool = False) -> str:
+        s = self.stats
+        elapsed = max(s.elapsed, 1e-9)
+        req_s = s.finished / elapsed
+        tok_s = s.completion_tokens / elapsed
+        remaining = s.total - s.finished
+        eta = f"{remaining / req_s:,.0f}s" if req_s > 0 else "?"
+        total = s.total + self.already_done
+        head = "finished" if final else "progress"
+        return (
+            f"{self.progress_prefix}{head}: {s.finished + self.already_done}/{total} done "
+            f"(resumed {self.already_done}, ok {s.ok}, failed {s.failed}, truncated {s.truncated}) | "
+            f"{req_s:.2f} req/s, {tok_s:,.0f} output tok/s | in flight {self._in_flight}, "
+            f"backing off {self._waiting}, retries {s.retries} | "
+            + (f"wall {elapsed:,.1f}s" if final else f"ETA {eta}")
+        )
+
+    async def _progress_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.progress_interval_s)
+            self.log(self.progress_line())
+
+
+async def preflight(transports: Mapping[str, Transport], config: GenerationConfig, log: Log,
+                    ) -> tuple[str, dict[str, str]]:
+    """GET /v1/models on every endpoint before the pool starts; returns the model to request and the
+    endpoints that did not answer (url -> error), which start benched so the first wave avoids them.
+
+    Why: it fails fast on a wrong API key (instead of 1,000 failed rows), finds the served model when none
+    is configured, and warms each SDK client (its one-time platform probe runs in a thread; 128 first
+    requests at once would each start one) so the pool starts at full speed.
+    """
+    last = "no endpoint answered"
+    for attempt in range(1, config.max_attempts + 1):
+        results = await asyncio.gather(*[_list_models(t, config) for t in transports.values()])
+        served: list[str] = []
+        unhealthy: dict[str, str] = {}
+        for url, (models, failure) in zip(transports, results, strict=True):
+            if failure is not None:
+                unhealthy[url] = config.redact(failure.message)
+                last = f"{display_url(url)}: {config.redact(failure.message)}"
+                if failure.status in (401, 403):
+                    raise RuntimeError(f"GET /v1/models refused, check the API key: {last}")
+                log(f"preflight: {last}")
+            elif models:
+                served.extend(m for m in models if m not in served)
+        if served:
+            await _warm_connections(transports, config, unhealthy)
+            if config.model is None:
+                log(f"model not configured; using {served[0]!r} (served: {served})")
+                return served[0], unhealthy
+            if config.model not in served:
+                log(f"warning: model {config.model!r} is not among the served models {served}")
+            return config.model, unhealthy
+        if any(failure is None for _, failure in results):
+            last = "GET /v1/models lists no model"
+        if attempt < config.max_attempts:
+            await asyncio.sleep(backoff_delay(attempt, config))
+    if config.model is not None:
+        log(f"preflight failed ({last}); starting anyway, failing requests are retried")
+        return config.model, {}
+    raise RuntimeError(f"could not find the served model via GET /v1/models: {last}")
+
+
+async def _warm_connections(transports: Mapping[str, Transport], config: GenerationConfig,
+                            unhealthy: Mapping[str, str]) -> None:
+    """Open each healthy endpoint's keep-alive connections before the pool starts (cheap GETs of /v1/models).
+
+    Why: the first wave of C requests would otherwise pay C TCP handshakes and connection setups at the same
+    instant on one event loop, delaying every first response by a few hundred ms.
+    """
+    healthy = [t for url, t in transports.items() if url not in unhealthy]
+    if not healthy:
+        return
+    per_endpoint = min(config.endpoint_cap, -(-config.concurrency // len(healthy)))
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(config.connect_timeout_s + 30):
+            await asyncio.gather(*[t.warm(per_endpoint) for t in healthy])
+
+
+async def _list_models(transport: Transport, config: GenerationConfig) -> tuple[list[str], RequestFailed | None]:
+    try:
+        async with asyncio.timeout(config.connect_timeout_s + 30):
+            return await transport.list_models(), None
+    except Exception as error:  # classified; the caller decides
+        return [], classify(error)

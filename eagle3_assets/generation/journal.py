@@ -1,0 +1,131 @@
+"""The append-only in-progress journal of a partition: one JSON line per finished sample.
+
+Each finished sample (``ok`` or terminally ``failed``) is written as one line with a single ``write``
+on an ``O_APPEND`` descriptor, so it is in the kernel's page cache (safe from a killed process) at once;
+``fsync`` runs at least every ``fsync_interval_s`` so a power loss costs seconds of work, not a partition.
+
+A process killed mid-write can leave a torn last line. :func:`read_journal` drops it and
+:meth:`Journal.open` cuts it off before appending, so the next line never glues onto a fragment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.generation.records import STATUS_OK
+
+try:  # orjson is ~5x faster at dumping long strings; stdlib json is the fallback
+    import orjson
+
+    def _dumps(record: Mapping[str, Any]) -> bytes:
+        return orjson.dumps(record)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+    def _dumps(record: Mapping[str, Any]) -> bytes:
+        return _encoder.encode(record).encode()
+
+    _loads = json.loads
+
+
+@dataclass
+class JournalContents:
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)  # sample_id -> winning record
+    lines: int = 0
+    torn_bytes: int = 0  # bytes of a torn last line that were dropped
+    corrupt_lines: int = 0  # complete lines that did not parse (should not happen; counted, skipped)
+    valid_size: int = 0  # file offset just after the last complete line
+
+
+def _better(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
+    # An ok record is never replaced by a failed one; otherwise the later line wins.
+    if old is None:
+        return True
+    return not (old.get("status") == STATUS_OK and new.get("status") != STATUS_OK)
+
+
+def read_journal(path: Path) -> JournalContents:
+    contents = JournalContents()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return contents
+    end = data.rfind(b"\n") + 1
+    contents.valid_size = end
+    contents.torn_bytes = len(data) - end
+    for line in data[:end].splitlines():
+        if not line.strip():
+            continue
+        contents.lines += 1
+        try:
+            record = _loads(line)
+            sample_id = record["sample_id"]
+        except (ValueError, KeyError, TypeError):
+            contents.corrupt_lines += 1
+            continue
+        if _better(record, contents.records.get(sample_id)):
+            contents.records[sample_id] = record
+    return contents
+
+
+def merge_records(*sources: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Merge record maps given oldest first, with the same ok-wins-then-latest rule as the journal."""
+    merged: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        for sample_id, record in source.items():
+            if _better(record, merged.get(sample_id)):
+                merged[sample_id] = dict(record)
+    return merged
+
+
+class Journal:
+    """An open journal for appending. Not thread-safe; the engine appends from its event loop only."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.appended = 0
+        self._dirty = False
+
+    @classmethod
+    def open(cls, path: Path, valid_size: int | None = None) -> Journal:
+        """Open for appending; if ``valid_size`` is given, first cut the file to it (drops a torn line)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if valid_size is not None and os.fstat(fd).st_size > valid_size:
+            os.ftruncate(fd, valid_size)
+            os.fsync(fd)
+        return cls(path, fd)
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        line = _dumps(record) + b"\n"
+        written = os.write(self._fd, line)
+        while written < len(line):  # a regular file writes fully unless the disk is full; be exact anyway
+            written += os.write(self._fd, line[written:])
+        self.appended += 1
+        self._dirty = True
+
+    def sync(self) -> None:
+        """fsync if anything was appended since the last sync (safe to call from a worker thread)."""
+        if self._dirty and self._fd >= 0:
+            self._dirty = False
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.sync()
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

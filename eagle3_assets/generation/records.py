@@ -1,0 +1,60 @@
+"""The ``synthetic_responses`` row: one per prompt of a partition, ``ok`` or ``failed``.
+
+Downstream (hidden states) reads ``sample_id, messages, reasoning, content, status, finish_reason``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+MESSAGE_DTYPE = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
+
+RESPONSE_SCHEMA: dict[str, pl.DataType] = {
+    "sample_id": pl.String(),
+    "partition_key": pl.String(),
+    "messages": MESSAGE_DTYPE,
+    "reasoning": pl.String(),
+    "content": pl.String(),
+    "finish_reason": pl.String(),
+    "prompt_tokens": pl.Int64(),
+    "completion_tokens": pl.Int64(),
+    "latency_s": pl.Float64(),
+    "endpoint": pl.String(),
+    "attempts": pl.Int64(),
+    "model": pl.String(),
+    "sampling_params": pl.String(),
+    "status": pl.String(),
+    "error": pl.String(),
+    "finished_at": pl.Float64(),
+}
+COLUMNS = tuple(RESPONSE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class PromptToGenerate:
+    """One prompt of the partition: its id and the chat messages sent as the request."""
+
+    sample_id: str
+    messages: Sequence[Mapping[str, str]]
+
+
+def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    # Only role and content travel: the row schema is a list of {role, content} structs.
+    return [{"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])}
+            for m in messages]
+
+
+def rows_to_frame(rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
+    """Rows (dicts with the schema's keys) as a DataFrame with exactly the row schema, in its column order."""
+    return pl.from_dicts(list(rows), schema=RESPONSE_SCHEMA) if rows else empty_frame()
+
+
+def empty_frame() -> pl.DataFrame:
+    return pl.DataFrame(schema=RESPONSE_SCHEMA)

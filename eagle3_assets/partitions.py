@@ -1,0 +1,65 @@
+"""The 1k-sample partition scheme: keys, bounds, and the growth rule.
+
+A sample's partition is ``position // partition_size`` where ``position`` is its place in the dataset's
+stable order. Positions are assigned once and then kept: a re-read dataset keeps every known sample at
+its recorded position and appends new samples after the last one, so growing the dataset only adds
+partitions and never moves a sample that may already have been generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+KEY_WIDTH = 5
+
+
+def partition_key(index: int) -> str:
+    if index < 0:
+        raise ValueError(f"partition index must be >= 0, got {index}")
+    return f"{index:0{KEY_WIDTH}d}"
+
+
+def partition_index(key: str) -> int:
+    if len(key) < KEY_WIDTH or not key.isdigit():
+        raise ValueError(f"partition key {key!r} is not a zero-padded number like '00000'")
+    return int(key)
+
+
+def partition_of(position: int, partition_size: int) -> str:
+    return partition_key(position // partition_size)
+
+
+def partition_bounds(key: str, partition_size: int) -> tuple[int, int]:
+    """Half-open position range [start, end) of a partition."""
+    start = partition_index(key) * partition_size
+    return start, start + partition_size
+
+
+def partition_keys_for(num_positions: int, partition_size: int) -> list[str]:
+    """Keys for positions [0, num_positions): ceil(num_positions / size) partitions."""
+    count = -(-num_positions // partition_size)
+    return [partition_key(i) for i in range(count)]
+
+
+def assign_positions(
+    sample_ids: Iterable[str], previous: Mapping[str, int] | None = None
+) -> tuple[list[int], int, int]:
+    """Positions for ``sample_ids`` (in dataset order): known ids keep theirs, new ones go at the end.
+
+    Returns (positions, number kept, number new). Ids of ``previous`` that are absent now simply leave
+    a gap; nothing else shifts into it.
+    """
+    previous = previous or {}
+    next_position = max(previous.values(), default=-1) + 1
+    positions: list[int] = []
+    kept = new = 0
+    for sample_id in sample_ids:
+        known = previous.get(sample_id)
+        if known is not None:
+            positions.append(known)
+            kept += 1
+        else:
+            positions.append(next_position)
+            next_position += 1
+            new += 1
+    return positions, kept, new

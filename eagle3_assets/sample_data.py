@@ -1,0 +1,225 @@
+"""The shipped sample dataset: varied prompts made here, so the demo needs no dataset hub.
+
+``python -m eagle3_assets.sample_data OUT.jsonl`` rebuilds ``eagle3_assets/data/sample_prompts.jsonl``
+byte for byte (seeded). It mixes math, code, chat, reasoning and multi-turn prompts in all three row
+shapes the loader reads (OpenAI ``messages``, ShareGPT ``conversations``, plain ``prompt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle3_assets.prompts import normalize_row
+
+DEFAULT_COUNT = 3000
+
+_TOPICS = [
+    "photosynthesis",
+    "black holes",
+    "the French Revolution",
+    "compound interest",
+    "plate tectonics",
+    "the immune system",
+    "neural networks",
+    "supply and demand",
+    "the water cycle",
+    "quantum entanglement",
+    "the Roman Empire",
+    "climate change",
+    "vaccines",
+    "blockchains",
+    "the printing press",
+    "jazz music",
+    "coral reefs",
+    "volcanoes",
+    "the stock market",
+    "renewable energy",
+    "DNA replication",
+    "gravity waves",
+    "the Silk Road",
+    "sleep",
+    "inflation",
+    "bees",
+    "electric cars",
+    "the internet",
+    "glaciers",
+    "chess openings",
+]
+_AUDIENCES = ["a ten-year-old", "a high-school student", "a busy executive", "a software engineer", "my grandmother"]
+_LANGS = ["Python", "Rust", "Go", "TypeScript", "C++", "Java", "SQL", "Bash"]
+_TASKS = [
+    "reverses a linked list",
+    "checks whether a string is a palindrome",
+    "merges two sorted arrays",
+    "computes the n-th Fibonacci number iteratively",
+    "parses a CSV line with quoted fields",
+    "finds the longest common prefix of a list of strings",
+    "implements binary search",
+    "counts word frequencies in a text",
+    "validates an email address",
+    "flattens a nested list",
+    "implements an LRU cache",
+    "computes the median of a stream of numbers",
+    "detects a cycle in a graph",
+    "rotates a matrix by 90 degrees",
+    "removes duplicates while keeping order",
+    "converts Roman numerals",
+]
+_NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun"]
+_ITEMS = ["apples", "books", "marbles", "tickets", "coins", "pencils", "stickers", "cookies"]
+_CHAT = [
+    "Can you suggest a name for my {adj} {pet}?",
+    "What should I cook tonight with {a}, {b} and rice?",
+    "Write a short poem about {topic}.",
+    "Give me three tips for staying focused while studying {topic}.",
+    "Draft a polite email asking my manager for a day off next {day}.",
+    "What are some fun things to do in {city} on a rainy day?",
+    "Summarize the main ideas of {topic} in five bullet points.",
+    "Tell me a short story about a {adj} {pet} who learns about {topic}.",
+]
+_ADJ = ["curious", "lazy", "brave", "tiny", "grumpy", "cheerful"]
+_PETS = ["cat", "dog", "parrot", "turtle", "hamster", "goldfish"]
+_FOODS = ["eggs", "spinach", "tomatoes", "chickpeas", "mushrooms", "tofu", "cheese", "potatoes"]
+_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
+_CITIES = ["Lisbon", "Tokyo", "Nairobi", "Montreal", "Oslo", "Lima", "Hanoi", "Prague"]
+_SYSTEMS = [
+    "You are a helpful assistant.",
+    "You are a concise assistant. Answer briefly.",
+    "You are a patient tutor who explains step by step.",
+]
+
+
+def _math(rng: random.Random) -> str:
+    kind = rng.randrange(5)
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+    if kind == 0:
+        return f"What is {a} * {b} + {c}? Show your work."
+    if kind == 1:
+        return f"Solve for x: {c}x + {a} = {b + a * c}."
+    if kind == 2:
+        name = rng.choice(_NAMES)
+        item = rng.choice(_ITEMS)
+        return f"{name} has {a} {item} and gives away {min(a, b)} of them, then buys {c} more. How many {item} now?"
+    if kind == 3:
+        return f"What is the sum of all integers from 1 to {a * c}?"
+    return f"A rectangle has a perimeter of {2 * (a + b)} and one side of length {a}. What is its area?"
+
+
+def _code(rng: random.Random) -> str:
+    lang, task = rng.choice(_LANGS), rng.choice(_TASKS)
+    style = rng.choice(["", " Include tests.", " Explain its time complexity.", " Keep it under 20 lines."])
+    return f"Write a {lang} function that {task}.{style}"
+
+
+def _chat(rng: random.Random) -> str:
+    template = rng.choice(_CHAT)
+    a, b = rng.sample(_FOODS, 2)
+    return template.format(
+        adj=rng.choice(_ADJ),
+        pet=rng.choice(_PETS),
+        a=a,
+        b=b,
+        topic=rng.choice(_TOPICS),
+        day=rng.choice(_DAYS),
+        city=rng.choice(_CITIES),
+    )
+
+
+def _reasoning(rng: random.Random) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        x, y = rng.sample(_NAMES, 2)
+        return f"{x} is taller than {y}. {y} is taller than Kim. Is Kim taller than {x}? Explain your reasoning."
+    if kind == 1:
+        n = rng.randint(3, 9)
+        return (
+            f"If {n} machines make {n} widgets in {n} minutes, "
+            f"how long do {n * 20} machines take to make {n * 20} widgets?"
+        )
+    if kind == 2:
+        return f"Explain {rng.choice(_TOPICS)} to {rng.choice(_AUDIENCES)}, reasoning about what they already know."
+    a = rng.randint(10, 60)
+    return (
+        f"A train leaves at 9:00 going {a} km/h; another leaves at 10:00 going {a + 20} km/h "
+        "on the same track. When does the second catch up?"
+    )
+
+
+_MAKERS: list[tuple[str, Callable[[random.Random], str]]] = [
+    ("math", _math),
+    ("code", _code),
+    ("chat", _chat),
+    ("reasoning", _reasoning),
+]
+
+
+def _row(index: int, rng: random.Random) -> dict[str, object]:
+    category, make = _MAKERS[index % len(_MAKERS)]
+    shape = rng.random()
+    multi_turn = index % 7 == 3
+    sample_id = f"sample-{index:05d}-{category}"
+    if multi_turn:
+        first, follow_up = (
+            make(rng),
+            rng.choice(
+                [
+                    "Can you make that shorter?",
+                    "Now explain it differently.",
+                    "What is a common mistake here?",
+                    "Give one more example.",
+                    "Why does that work?",
+                ]
+            ),
+        )
+        turns = [("user", first), ("assistant", "Here is a first answer: " + first.lower()[:80]), ("user", follow_up)]
+    else:
+        turns = [("user", make(rng))]
+    if shape < 0.5:
+        messages = [{"role": r, "content": t} for r, t in turns]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": rng.choice(_SYSTEMS)})
+        return {"id": sample_id, "messages": messages}
+    if shape < 0.8 or multi_turn:
+        names = {"user": "human", "assistant": "gpt"}
+        return {"id": sample_id, "conversations": [{"from": names[r], "value": t} for r, t in turns]}
+    return {"prompt": turns[0][1]} if rng.random() < 0.3 else {"id": sample_id, "prompt": turns[0][1]}
+
+
+def make_sample_rows(count: int = DEFAULT_COUNT, seed: int = 0) -> list[dict[str, object]]:
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    index = 0
+    while len(rows) < count:
+        row = _row(index, rng)
+        index += 1
+        key = normalize_row(row)[2]
+        if key in seen:  # the shipped sample has no duplicates; the loader's dedupe is tested separately
+            continue
+        seen.add(key)
+        rows.append(row)
+    return rows
+
+
+def write_sample(path: Path, count: int = DEFAULT_COUNT, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in make_sample_rows(count, seed):
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--count", type=int, default=DEFAULT_COUNT)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_sample(args.out, args.count, args.seed)
+
+
+if __name__ == "__main__":
+    main()

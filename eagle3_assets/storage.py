@@ -1,0 +1,253 @@
+"""The on-disk layout: where every asset's files live, how they are written, locked and counted.
+
+Every file a stage writes goes through this module. Layout under the data directory::
+
+    raw_prompts/prompts.parquet            all accepted prompts: sample_id, position, partition_key, messages
+    raw_prompts/rejects.jsonl              rejected rows: line number, reason, a prefix of the raw text
+    raw_prompts/manifest.json              partition size and counts of the last materialization
+    synthetic_responses/{key}.parquet      one finished partition of responses
+    synthetic_responses/_in_progress/{key}.jsonl   append-only log of a partition being generated
+    hidden_states/{key}.parquet            per-sample index of a finished hidden-states partition
+    hidden_states/{key}/                   speculators' offline layout for that partition
+    vocab_mapping/                         d2t.npy, t2d.npy, token_freq.pt
+    draft_model/                           checkpoints/ and final/ (speculators format)
+    draft_evaluation/                      report.json and plots
+
+Finished files are written to a temporary name and renamed, so a reader (DuckDB, a downstream asset)
+never sees half a file, and ``*.parquet`` globs never match an unfinished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import polars as pl
+
+PARTITIONED_ASSETS = ("synthetic_responses", "hidden_states")
+
+
+class PartitionBusyError(RuntimeError):
+    """Another process holds the lock of this partition."""
+
+
+class DiskSpaceError(OSError):
+    """Not enough free space for a write; names the path and the bytes needed."""
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    root: Path
+
+    @classmethod
+    def at(cls, root: str | os.PathLike[str]) -> DataLayout:
+        return cls(Path(root).expanduser().resolve())
+
+    def asset_dir(self, asset: str) -> Path:
+        return self.root / asset
+
+    # raw_prompts
+    @property
+    def prompts_path(self) -> Path:
+        return self.asset_dir("raw_prompts") / "prompts.parquet"
+
+    @property
+    def rejects_path(self) -> Path:
+        return self.asset_dir("raw_prompts") / "rejects.jsonl"
+
+    @property
+    def prompts_manifest_path(self) -> Path:
+        return self.asset_dir("raw_prompts") / "manifest.json"
+
+    # synthetic_responses
+    def responses_path(self, partition_key: str) -> Path:
+        return self.asset_dir("synthetic_responses") / f"{partition_key}.parquet"
+
+    def responses_in_progress_path(self, partition_key: str) -> Path:
+        return self.asset_dir("synthetic_responses") / "_in_progress" / f"{partition_key}.jsonl"
+
+    # hidden_states
+    def hidden_states_index_path(self, partition_key: str) -> Path:
+        return self.asset_dir("hidden_states") / f"{partition_key}.parquet"
+
+    def hidden_states_dir(self, partition_key: str) -> Path:
+        return self.asset_dir("hidden_states") / partition_key
+
+    # unpartitioned downstream assets
+    @property
+    def vocab_mapping_dir(self) -> Path:
+        return self.asset_dir("vocab_mapping")
+
+    @property
+    def draft_model_dir(self) -> Path:
+        return self.asset_dir("draft_model")
+
+    @property
+    def evaluation_dir(self) -> Path:
+        return self.asset_dir("draft_evaluation")
+
+    def lock_path(self, asset: str, partition_key: str | None = None) -> Path:
+        name = partition_key if partition_key is not None else "_asset"
+        return self.asset_dir(asset) / "_locks" / f"{name}.lock"
+
+    def partition_files(self, asset: str) -> dict[str, Path]:
+        """Finished partition files of a partitioned asset, by partition key."""
+        folder = self.asset_dir(asset)
+        if not folder.is_dir():
+            return {}
+        return {p.stem: p for p in sorted(folder.glob("*.parquet"))}
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _raise_if_disk_full(error: OSError, path: Path, needed_bytes: int | None) -> None:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        need = f" (about {needed_bytes:,} bytes needed)" if needed_bytes else ""
+        raise DiskSpaceError(
+            error.errno, f"no space left writing {path}{need}; free {free_bytes(path):,} bytes"
+        ) from error
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success fsync it and rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        _raise_if_disk_full(error, path, needed_bytes)
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
+    with atomic_path(path, needed_bytes=int(frame.estimated_size())) as tmp:
+        frame.write_parquet(tmp, compression="zstd", statistics=True)
+
+
+def write_bytes_atomic(data: bytes, path: Path) -> None:
+    with atomic_path(path, needed_bytes=len(data)) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    write_bytes_atomic(json.dumps(obj, indent=2, sort_keys=True).encode(), path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def free_bytes(path: Path) -> int:
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def ensure_free_space(path: Path, needed_bytes: int, what: str, headroom: float = 1.1) -> None:
+    """Fail before expensive work starts when ``path``'s filesystem cannot hold ``needed_bytes``."""
+    free = free_bytes(path)
+    if free < needed_bytes * headroom:
+        raise DiskSpaceError(
+            errno.ENOSPC,
+            f"{what} needs about {needed_bytes:,} bytes at {path} but only {free:,} bytes are free",
+        )
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path, what: str) -> Iterator[None]:
+    """A per-partition writer lock (flock: released by the kernel when the holder dies, even on SIGKILL).
+
+    A second writer fails at once with a message instead of interleaving lines in the same file.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise PartitionBusyError(
+                f"{what} is being written by {holder}; wait for that run to finish or stop it (lock: {lock_path})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- counts
+
+
+def _duckdb_glob(folder: Path) -> str:
+    return str(folder / "*.parquet").replace("'", "''")
+
+
+def partition_row_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
+    """Rows per partition file for every partitioned asset, from Parquet footers only (no data scan)."""
+    import duckdb
+
+    counts: dict[str, dict[str, int]] = {}
+    with duckdb.connect() as con:
+        for asset in PARTITIONED_ASSETS:
+            files = layout.partition_files(asset)
+            if not files:
+                continue
+            rows = con.execute(
+                f"SELECT file_name, num_rows FROM parquet_file_metadata('{_duckdb_glob(layout.asset_dir(asset))}')"
+            ).fetchall()
+            counts[asset] = {Path(name).stem: int(n) for name, n in sorted(rows)}
+    return counts
+
+
+def response_status_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
+    """Per-partition ok/failed/truncated and token sums of ``synthetic_responses`` (reads 4 small columns)."""
+    import duckdb
+
+    if not layout.partition_files("synthetic_responses"):
+        return {}
+    sql = f"""
+        SELECT regexp_extract(filename, '([0-9]+)\\.parquet$', 1) AS partition_key,
+               count(*) AS rows,
+               count(*) FILTER (WHERE status = 'ok') AS ok,
+               count(*) FILTER (WHERE status = 'failed') AS failed,
+               count(*) FILTER (WHERE finish_reason = 'length') AS truncated,
+               coalesce(sum(prompt_tokens), 0) AS prompt_tokens,
+               coalesce(sum(completion_tokens), 0) AS completion_tokens
+        FROM read_parquet('{_duckdb_glob(layout.asset_dir("synthetic_responses"))}', filename = true)
+        GROUP BY 1 ORDER BY 1
+    """
+    with duckdb.connect() as con:
+        cursor = con.execute(sql)
+        names = [d[0] for d in cursor.description]
+        return {row[0]: dict(zip(names[1:], map(int, row[1:]), strict=True)) for row in cursor.fetchall()}

@@ -1,0 +1,318 @@
+"""Unit tests of the generation engine's parts: config, journal, response parsing, error classes, routing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from eagle3_assets.generation.client import RequestFailed, _StreamState, classify, parse_completion
+from eagle3_assets.generation.config import GenerationConfig, display_url
+from eagle3_assets.generation.endpoints import EndpointPool
+from eagle3_assets.generation.engine import backoff_delay
+from eagle3_assets.generation.journal import Journal, merge_records, read_journal
+from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA, rows_to_frame
+from eagle3_assets.settings import ConfigError
+
+URL = "http://127.0.0.1:8000/v1"
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("concurrency", 0),
+        ("concurrency", True),
+        ("max_tokens", -1),
+        ("max_attempts", 0),
+        ("request_timeout_s", 0),
+        ("idle_timeout_s", float("nan")),
+        ("per_endpoint_cap", 0),
+        ("top_p", 0),
+        ("temperature", -1),
+        ("model", "  "),
+        ("backoff_base_s", 100.0),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as caught:
+        GenerationConfig(base_urls=[URL], **{field: value})
+    assert str(caught.value).startswith(f"{field}=")
+
+
+@pytest.mark.parametrize("urls", [[], ["ftp://x/v1"], ["localhost:8000"], [URL, URL + "/"]])
+def test_config_rejects_bad_urls(urls: list[str]) -> None:
+    with pytest.raises(ConfigError, match="base_urls="):
+        GenerationConfig(base_urls=urls)
+
+
+def test_config_defaults_and_sampling_params() -> None:
+    config = GenerationConfig(base_urls=(URL + "/",), seed=7, extra_sampling={"top_k": 20})
+    assert config.base_urls == (URL,)
+    assert config.max_tokens == 8000 and config.request_timeout_s == 1800 and config.concurrency == 128
+    assert config.endpoint_cap == 128
+    assert config.sampling_params() == {"max_tokens": 8000, "seed": 7, "top_k": 20}  # unset: the model's defaults
+    assert GenerationConfig(base_urls=[URL], temperature=0.6, top_p=0.95).sampling_params() == {
+        "max_tokens": 8000, "temperature": 0.6, "top_p": 0.95}
+    with pytest.raises(ConfigError, match="extra_sampling="):
+        GenerationConfig(base_urls=[URL], extra_sampling={"stream": True})
+
+
+def test_api_key_is_not_in_repr_and_is_redacted() -> None:
+    config = GenerationConfig(base_urls=[URL], api_key="sk-secret-123")
+    assert "sk-secret-123" not in repr(config)
+    assert config.redact("Bearer sk-secret-123 failed") == "Bearer *** failed"
+
+
+def test_display_url_drops_credentials() -> None:
+    assert display_url("http://user:pw@host:8000/v1") == "http://host:8000/v1"
+
+
+# ----------------------------------------------------------------------------------------------- journal
+
+
+def _record(sample_id: str, status: str = "ok", **extra: object) -> dict[str, object]:
+    base = dict.fromkeys(COLUMNS)
+    base.update(sample_id=sample_id, partition_key="00000", status=status,
+                messages=[{"role": "user", "content": "q"}], attempts=1, latency_s=0.1, finished_at=1.0)
+    base.update(extra)
+    return base
+
+
+def test_journal_drops_torn_last_line_and_cuts_it_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with Journal.open(path) as journal:
+        journal.append(_record("a"))
+        journal.append(_record("b", "failed", error="boom"))
+    with open(path, "ab") as handle:
+        handle.write(b'{"sample_id": "c", "status": "o')  # a kill mid-write
+    contents = read_journal(path)
+    assert sorted(contents.records) == ["a", "b"]
+    assert contents.torn_bytes == len(b'{"sample_id": "c", "status": "o')
+    with Journal.open(path, valid_size=contents.valid_size) as journal:
+        journal.append(_record("c"))
+    again = read_journal(path)
+    assert sorted(again.records) == ["a", "b", "c"] and again.torn_bytes == 0 and again.corrupt_lines == 0
+    assert again.lines == 3
+
+
+def test_journal_dedupes_ok_wins_then_latest(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    with Journal.open(path) as journal:
+        journal.append(_record("a", "failed", error="first"))
+        journal.append(_record("a", "ok", content="yes"))
+        journal.append(_record("a", "failed", error="late failure must not replace ok"))
+        journal.append(_record("b", "failed", error="first"))
+        journal.append(_record("b", "failed", error="second"))
+    records = read_journal(path).records
+    assert records["a"]["status"] == "ok" and records["a"]["content"] == "yes"
+    assert records["b"]["error"] == "second"
+    merged = merge_records({"a": _record("a", "ok", content="old")}, {"a": _record("a", "failed")})
+    assert merged["a"]["content"] == "old"
+
+
+def test_journal_missing_file_is_empty(tmp_path: Path) -> None:
+    contents = read_journal(tmp_path / "nope.jsonl")
+    assert contents.records == {} and contents.valid_size == 0
+
+
+def test_rows_to_frame_has_the_exact_schema() -> None:
+    frame = rows_to_frame([_record("a", content="c", reasoning="r", prompt_tokens=3)])
+    assert frame.schema == RESPONSE_SCHEMA and frame.columns == list(COLUMNS)
+    assert frame["messages"].to_list() == [[{"role": "user", "content": "q"}]]
+
+
+# ------------------------------------------------------------------------------------ response parsing
+
+
+def _completion(message: dict[str, object], finish: str | None = "stop", choices: bool = True) -> bytes:
+    return json.dumps({
+        "id": "x", "object": "chat.completion", "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}] if choices else [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+    }).encode()
+
+
+def test_parse_reads_reasoning_then_legacy_reasoning_content() -> None:
+    new = parse_completion(_completion({"role": "assistant", "content": "A", "reasoning": "R"}))
+    assert (new.reasoning, new.content, new.finish_reason, new.prompt_tokens, new.completion_tokens) == (
+        "R", "A", "stop", 3, 5)
+    legacy = parse_completion(_completion({"role": "assistant", "content": "A", "reasoning_content": "L"}))
+    assert legacy.reasoning == "L"
+    both = parse_completion(_completion({"content": "A", "reasoning": None, "reasoning_content": "L"}))
+    assert both.reasoning == "L"
+    none = parse_completion(_completion({"content": "A"}))
+    assert none.reasoning is None
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b'{"id": "x", "choices": [', "invalid JSON"),
+        (b'{"status": "ok"}', "not a chat completion"),
+        (b"[1, 2]", "not a chat completion"),
+        (b"<html>bad gateway</html>", "invalid JSON"),
+        (_completion({"content": "A"}, choices=False), "no choices"),
+        (_completion({"content": "A"}, finish=None), "no finish_reason"),
+    ],
+)
+def test_bad_bodies_are_retryable(body: bytes, fragment: str) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        parse_completion(body)
+    assert caught.value.retryable and fragment in caught.value.message
+
+
+def _sse(state: _StreamState, *events: object) -> None:
+    for event in events:
+        state.feed(event if isinstance(event, bytes) else json.dumps(event).encode())
+
+
+def test_stream_state_joins_deltas_in_both_shapes() -> None:
+    for name in ("reasoning", "reasoning_content"):
+        state = _StreamState()
+        _sse(state,
+             {"choices": [{"delta": {"role": "assistant", "content": ""}}], "model": "m"},
+             {"choices": [{"delta": {name: "thi"}}]}, {"choices": [{"delta": {name: "nk"}}]},
+             {"choices": [{"delta": {"content": "ans"}}]}, {"choices": [{"delta": {"content": "wer"}}]},
+             {"choices": [{"delta": {}, "finish_reason": "length"}]},
+             {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}}, b"[DONE]")
+        result = state.result()
+        assert state.done
+        assert (result.reasoning, result.content, result.finish_reason, result.completion_tokens) == (
+            "think", "answer", "length", 9)
+
+
+def test_stream_without_finish_reason_is_a_retryable_truncation() -> None:
+    state = _StreamState()
+    _sse(state, {"choices": [{"delta": {"content": "partial"}}]}, {"choices": [], "usage": {}}, b"[DONE]")
+    with pytest.raises(RequestFailed, match="truncated stream") as caught:
+        state.result()
+    assert caught.value.retryable
+
+
+@pytest.mark.parametrize("event", [b'{"choices": [{"delta"', b'{"status": "ok"}', b'"text"',
+                                   b'{"error": {"message": "engine died"}}'])
+def test_bad_stream_events_are_retryable(event: bytes) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        _StreamState().feed(event)
+    assert caught.value.retryable
+
+
+# ------------------------------------------------------------------------------------ error classes
+
+
+def _status_error(status: int, body: object) -> openai.APIStatusError:
+    request = httpx2.Request("POST", URL + "/chat/completions")
+    response = httpx2.Response(status, json=body, request=request)
+    client = openai.AsyncOpenAI(base_url=URL, api_key="x")
+    return client._make_status_error_from_response(response)
+
+
+@pytest.mark.parametrize(("status", "retryable"), [(400, False), (401, False), (404, False), (422, False),
+                                                   (408, True), (409, True), (429, True), (500, True),
+                                                   (502, True), (503, True)])
+def test_status_classification(status: int, retryable: bool) -> None:
+    failure = classify(_status_error(status, {"error": {"message": f"server says {status}"}}))
+    assert failure.retryable is retryable and failure.status == status
+    assert failure.message == f"HTTP {status}: server says {status}"
+
+
+def test_vllm_legacy_error_body_message_is_kept() -> None:
+    failure = classify(_status_error(400, {"object": "error", "message": "This model's maximum context length is 1"}))
+    assert failure.message == "HTTP 400: This model's maximum context length is 1" and not failure.retryable
+
+
+def test_transport_errors_are_retryable() -> None:
+    request = httpx2.Request("POST", URL)
+    for error in (openai.APITimeoutError(request), openai.APIConnectionError(request=request),
+                  httpx2.ReadTimeout("idle"), httpx2.RemoteProtocolError("peer closed"), TimeoutError(),
+                  ConnectionResetError("reset")):
+        assert classify(error).retryable, error
+
+
+def test_backoff_is_exponential_jittered_capped_and_honours_retry_after() -> None:
+    config = GenerationConfig(base_urls=[URL], backoff_base_s=1.0, backoff_max_s=10.0)
+    rng = random.Random(0)
+    for attempt, ceiling in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 10.0), (9, 10.0)]:
+        delays = [backoff_delay(attempt, config, rng=rng) for _ in range(200)]
+        assert min(delays) >= ceiling / 2 and max(delays) <= ceiling
+        assert max(delays) - min(delays) > ceiling / 10  # jittered
+    assert backoff_delay(1, config, retry_after_s=5.0, rng=rng) == 5.0
+    assert backoff_delay(1, config, retry_after_s=500.0, rng=rng) == 10.0
+
+
+# ------------------------------------------------------------------------------------------- routing
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_least_outstanding_routing_with_cap() -> None:
+    pool = EndpointPool(["a", "b"], cap=2)
+    picks = [pool.acquire() for _ in range(5)]
+    assert [p.url if p else None for p in picks] == ["a", "b", "a", "b", None]
+    pool.release(picks[1], server_failure=False)  # b now has fewer outstanding
+    assert pool.acquire().url == "b"
+
+
+def test_failing_endpoint_is_benched_then_probed_once() -> None:
+    clock = _Clock()
+    pool = EndpointPool(["bad", "good"], cap=10, bench_after_failures=3, bench_s=30, clock=clock)
+    bad = pool.endpoints[0]
+    for _ in range(3):
+        endpoint = pool.acquire()
+        assert endpoint is bad
+        pool.release(endpoint, server_failure=True)
+        # keep 'good' busier so least-outstanding would pick 'bad' again
+        pool.endpoints[1].outstanding = 5
+    assert bad.benched and pool.acquire().url == "good"
+    assert pool.next_change_in() == pytest.approx(30)
+    clock.now = 31
+    pool.endpoints[1].outstanding = 5
+    probe = pool.acquire()
+    assert probe is bad  # one probe after the bench
+    assert pool.acquire().url == "good"  # and only one at a time
+    pool.release(probe, server_failure=True)  # failed probe: bench doubles
+    assert bad.bench_s == 60 and pool.next_change_in() == pytest.approx(60)
+    clock.now = 100
+    probe = pool.acquire()
+    assert probe is bad
+    pool.release(probe, server_failure=False)
+    assert not bad.benched and bad.consecutive_failures == 0
+
+
+def test_non_retryable_request_errors_do_not_bench() -> None:
+    pool = EndpointPool(["a"], cap=4, bench_after_failures=2)
+    for _ in range(5):
+        pool.release(pool.acquire(), server_failure=False)
+    assert not pool.endpoints[0].benched
+
+
+def test_partition_prompts_reads_one_partition_in_position_order(tmp_path: Path) -> None:
+    import polars as pl
+
+    from eagle3_assets.generation import partition_prompts
+    from eagle3_assets.storage import DataLayout
+
+    layout = DataLayout.at(tmp_path)
+    with pytest.raises(FileNotFoundError, match="raw_prompts"):
+        partition_prompts(layout, "00000")
+    layout.prompts_path.parent.mkdir(parents=True)
+    rows = [{"sample_id": f"s{p}", "position": p, "partition_key": f"{p // 3:05d}",
+             "messages": [{"role": "user", "content": f"m{p}"}]} for p in (4, 0, 2, 1, 3, 5, 6)]
+    pl.DataFrame(rows).write_parquet(layout.prompts_path)
+    prompts = partition_prompts(layout, "00001")
+    assert [p.sample_id for p in prompts] == ["s3", "s4", "s5"]
+    assert prompts[0].messages == [{"role": "user", "content": "m3"}]
+    assert partition_prompts(layout, "00009") == []
