@@ -375,18 +375,3 @@ def build_prompt_table(
         table_path=layout.prompts_path,
         rejects_path=layout.rejects_path,
     )
-
-
-def read_partition_prompts(layout: Any, partition_key: str) -> list[tuple[str, list[dict[str, str]]]]:
-    """(sample_id, messages) of one partition, in position order."""
-    import polars as pl
-
-    if not layout.prompts_path.exists():
-        raise FileNotFoundError(f"{layout.prompts_path} does not exist: materialize raw_prompts first")
-    frame = (
-        pl.scan_parquet(layout.prompts_path)
-        .filter(pl.col("partition_key") == partition_key)
-        .select("sample_id", "messages")
-        .collect()
-    )
-    return list(zip(frame["sample_id"].to_list(), frame["messages"].to_list(), strict=True))

@@ -154,6 +154,9 @@ ENV_SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("EAGLE3_MAX_TOKENS", "8000", "max_tokens per completion.", parse_positive_int),
         EnvSetting("EAGLE3_REQUEST_TIMEOUT_S", "1800", "Read timeout per request, seconds.", parse_positive_float),
         EnvSetting("EAGLE3_STREAM", "false", "Stream responses (idle timeout instead of one long read).", parse_bool),
+        EnvSetting(
+            "EAGLE3_TRANSPORT", "openai", "HTTP client: `openai` (AsyncOpenAI) or `aiohttp` (less client CPU).", _as_str
+        ),
         EnvSetting("EAGLE3_TEMPERATURE", "0.6", "Sampling temperature for generation.", parse_non_negative_float),
         EnvSetting(
             "EAGLE3_EXTRA_BODY", "", 'Extra JSON fields for each request, e.g. `{"ignore_eos": true}`.', _as_str

@@ -1,0 +1,95 @@
+"""``synthetic_responses``: one partition of prompts generated against vLLM, journaled and resumable."""
+
+import dagster as dg
+
+from eagle3_assets import plots
+from eagle3_assets.defs.inference import InferenceServerResource
+from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+from eagle3_assets.defs.prompts import raw_prompts
+from eagle3_assets.defs.resources import DataStoreResource
+
+COMPLETENESS = "responses_complete"
+ERROR_RATE = "responses_error_rate"
+
+
+class ResponsesConfig(dg.Config):
+    max_error_rate: float = 0.01  # the error-rate check fails above this share of failed samples
+
+
+@dg.asset(
+    partitions_def=PROMPT_PARTITIONS,
+    deps=[raw_prompts],
+    group_name="generation",
+    kinds={"vllm", "openai", "parquet"},
+    pool="vllm",
+    description=(
+        "The target model's own answers (reasoning and content) for one 1,000-sample partition, generated "
+        "through the OpenAI-compatible API with a continuously refilled request pool. Every finished sample "
+        "is appended to an in-progress journal at once; a re-run keeps the ok samples and requests only the "
+        "rest. One row per prompt: ok + failed == partition size."
+    ),
+    check_specs=[
+        dg.AssetCheckSpec(COMPLETENESS, asset="synthetic_responses", description="One row per prompt, no duplicates."),
+        dg.AssetCheckSpec(ERROR_RATE, asset="synthetic_responses", description="Failed share within the limit."),
+    ],
+)
+def synthetic_responses(
+    context: dg.AssetExecutionContext,
+    config: ResponsesConfig,
+    data_store: DataStoreResource,
+    inference_server: InferenceServerResource,
+):
+    import polars as pl
+
+    from eagle3_assets.generation import generate_partition, partition_prompts
+    from eagle3_assets.generation.checks import completeness_check, error_rate_check
+
+    layout = data_store.layout
+    key = context.partition_key
+    prompts = partition_prompts(layout, key)
+    if not prompts:
+        raise ValueError(f"partition {key} has no prompts in {layout.prompts_path}; re-materialize raw_prompts")
+    result = generate_partition(prompts, key, layout, inference_server.generation_config(), log=context.log.info)
+
+    lengths = pl.read_parquet(result.path, columns=["completion_tokens", "status"]).filter(pl.col("status") == "ok")
+    completion_lengths = lengths["completion_tokens"].drop_nulls().to_list()
+    yield dg.MaterializeResult(
+        metadata={
+            "dg.row_count": result.total,
+            "ok": result.ok,
+            "failed": result.failed,
+            "truncated": result.truncated,
+            "resumed": result.resumed,
+            "requested": result.requested,
+            "retries": result.retries,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "output_tokens_per_s": round(result.output_tokens_per_s, 1),
+            "requests_per_s": round(result.requests_per_s, 2),
+            "latency_p50_s": result.latency_p50_s,
+            "latency_p95_s": result.latency_p95_s,
+            "wall_s": round(result.wall_s, 1),
+            "model": result.model or "",
+            "error_rate": result.error_rate,
+            "top_errors": dg.MetadataValue.json(result.top_errors),
+            "retry_reasons": dg.MetadataValue.json(result.retry_reasons),
+            "path": dg.MetadataValue.path(str(result.path)),
+            "completion_length_histogram": dg.MetadataValue.md(
+                plots.histogram_markdown(completion_lengths, f"Completion length, partition {key}", "tokens")
+            ),
+        }
+    )
+    if result.truncated:
+        context.log.warning(f"{result.truncated} samples hit max_tokens (finish_reason == 'length')")
+    for name, outcome in (
+        (COMPLETENESS, completeness_check(result.path, [p.sample_id for p in prompts])),
+        (ERROR_RATE, error_rate_check(result.path, config.max_error_rate)),
+    ):
+        yield dg.AssetCheckResult(
+            check_name=name,
+            passed=outcome.passed,
+            description=outcome.description,
+            metadata={
+                k: dg.MetadataValue.json(v) if isinstance(v, (dict, list)) else v for k, v in outcome.metadata.items()
+            },
+        )
