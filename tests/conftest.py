@@ -11,6 +11,9 @@ import pytest
 
 from eagle3_assets.storage import DataLayout
 
+# One session-scoped real vLLM server for every test that needs it (tests/conftest_vllm.py).
+pytest_plugins = ["conftest_vllm"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -1,0 +1,501 @@
+"""Build a tiny Llama verifier + byte-level BPE tokenizer locally, with no downloads.
+
+The model is random but *structured*: besides seeded random weights it carries a few hand-set channels so that a
+served completion looks like a reasoning model's answer (``reasoning</think>content<|im_end|>``) instead of an
+endless stream of tokens:
+
+* residual channel ``ONE`` holds a constant in every token embedding (a bias the lm_head can read);
+* ``THINK_END`` is set only in the ``</think>`` embedding; attention head 0 of layer 0 looks for it (query from
+  ``ONE``, key from ``THINK_END``, on the lowest-frequency RoPE pair so position barely matters) and writes
+  "``</think>`` already seen" into channel ``SEEN``;
+* ``TRIG_THINK`` / ``TRIG_EOS`` are set in the embeddings of two small random token subsets.  The lm_head row of
+  ``</think>`` reads ``TRIG_THINK`` minus a large ``SEEN`` term, the row of the eos token reads ``TRIG_EOS`` and
+  ``SEEN`` minus ``ONE``: greedy decoding therefore emits ``</think>`` once, the first time the current token is a
+  think-trigger, and ends with eos the first time the current token is an eos-trigger after that;
+* the other special tokens (bos, pad, ``<|im_start|>``, ``<think>``), byte tokens that are not valid UTF-8 alone,
+  tokens with control characters and ids past the trained vocabulary get a strongly negative logit, so served text
+  is clean UTF-8;
+* each token's lm_head row points away from its own embedding, so greedy text never repeats a token immediately.
+
+Nothing else writes to the reserved channels, so the mechanism is exact, not learned.  Reasoning/content lengths
+are roughly geometric (means ~ 1/fraction of trigger tokens, tunable); measured with seed 0 on the first 256 sample
+prompts, greedy completions have mean ~90, median ~70, max ~360 tokens, all ending with eos before 512 and all with
+non-empty reasoning and content, so no ``ignore_eos`` is needed. Otherwise the next token is mostly a function of
+the current one (a bigram table fitted on 500 greedy completions predicts 67% of the next tokens of 500 others),
+which is what lets a small EAGLE-3 draft reach a useful acceptance length on this verifier.
+
+Everything is generated with numpy's PCG64 from ``seed`` and files are written by hand (sorted keys), so the same
+seed gives the same bytes (the tokenizer depends on the sample prompts and the stdlib text of this Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+IM_START_TOKEN = "<|im_start|>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+# Truly special tokens (stripped by skip_special_tokens).  <think>/</think> are *not* special: vLLM's reasoning
+# parser (deepseek_r1) looks for "</think>" in the decoded text, which skip_special_tokens would remove.
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN)
+THINK_TOKENS = (THINK_START_TOKEN, THINK_END_TOKEN)
+
+# ChatML-like. Assistant turns after the last user turn (the answer being trained on) always carry a think block,
+# so a rendered (prompt + response) sample has exactly the tokens the model saw when it generated the response after
+# the generation prompt "<think>\n". Earlier assistant turns render their content only (as Qwen3 does): a "</think>"
+# in the history would switch off the model's own "</think>" (see the module docstring).
+# Accepts `reasoning_content` (HF convention) and `reasoning` (vLLM's current response field).
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "{%- if message['role'] == 'assistant' and loop.index0 < ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- set reasoning = '' %}"
+    "{%- if message['reasoning_content'] is defined and message['reasoning_content'] is string %}"
+    "{%- set reasoning = message['reasoning_content'] %}"
+    "{%- elif message['reasoning'] is defined and message['reasoning'] is string %}"
+    "{%- set reasoning = message['reasoning'] %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+# Stdlib modules whose source text supplements the prompts as tokenizer training text (English docstrings + code,
+# like the prompts). Chosen once and kept fixed: the tokenizer depends on the prompts and the Python version.
+_STDLIB_CORPUS_MODULES = (
+    "argparse.py",
+    "textwrap.py",
+    "dataclasses.py",
+    "functools.py",
+    "pathlib.py",
+    "typing.py",
+    "subprocess.py",
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shapes and the knobs of the structured random init (see module docstring)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    vocab_size: int = 4096
+    num_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 688
+    max_position_embeddings: int = 2048
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    # Scale of the random parts. Embeddings O(1); layers strong enough that the prompt changes the greedy path,
+    # weak enough that the next token stays mostly a function of the current token (easy for a draft model).
+    embed_std: float = 1.0
+    layer_std: float = 0.05
+    lm_head_std: float = 0.12
+    # Fraction of ordinary tokens that trigger </think> / eos (mean lengths ~ 1/fraction tokens).
+    think_trigger_fraction: float = 0.02
+    eos_trigger_fraction: float = 0.035
+
+
+# Residual channels reserved for the hand-set mechanism, counted from the end of the hidden vector.
+_CH_ONE, _CH_THINK_END, _CH_SEEN, _CH_TRIG_THINK, _CH_TRIG_EOS = 1, 2, 3, 4, 5
+_NUM_RESERVED = 5
+
+
+def default_corpus() -> Iterator[str]:
+    """Tokenizer training text: the shipped sample prompts (if present), then a fixed set of stdlib sources."""
+    from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
+
+    if SAMPLE_PROMPTS_PATH.is_file():
+        with SAMPLE_PROMPTS_PATH.open(encoding="utf-8") as handle:
+            for line in handle:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    yield line
+                    continue
+                yield from _strings_in(record)
+    # The prompts hold only ~900 distinct words (BPE stops near 1.5k tokens); stdlib text fills the vocabulary.
+    stdlib_dir = Path(os.__file__).resolve().parent
+    for name in _STDLIB_CORPUS_MODULES:
+        path = stdlib_dir / name
+        if path.is_file():
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _strings_in(value: Any) -> Iterator[str]:
+    # Prompt records may be {"prompt": ...}, {"messages": [{"content": ...}]}, ...: take every string leaf.
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key in sorted(value):
+            if key != "id":  # ids are not text
+                yield from _strings_in(value[key])
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings_in(item)
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Any:
+    """Byte-level BPE (GPT-2 style pre-tokenization) with the special and think tokens; returns a `Tokenizer`."""
+    # Single-threaded training keeps merges (ties included) independent of the thread schedule.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        # The think tokens are added after training (as non-special tokens); leave room for them.
+        vocab_size=vocab_size - len(THINK_TOKENS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > vocab_size={vocab_size}")
+    return tokenizer
+
+
+def _tokenizer_config(tokenizer: Any, max_length: int) -> dict[str, Any]:
+    added = {}
+    for token in (*SPECIAL_TOKENS, *THINK_TOKENS):
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": token in SPECIAL_TOKENS,
+        }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": max_length,
+        "pad_token": PAD_TOKEN,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # The chat template writes bos itself; plain encode() adds nothing (no post-processor).
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+
+
+def _model_config(spec: TinyModelSpec, ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[BOS_TOKEN],
+        "dtype": "float32",
+        "eos_token_id": ids[EOS_TOKEN],
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": spec.layer_std,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": spec.num_heads,
+        "num_hidden_layers": spec.num_layers,
+        "num_key_value_heads": spec.num_heads,
+        "pad_token_id": ids[PAD_TOKEN],
+        "pretraining_tp": 1,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": spec.vocab_size,
+    }
+
+
+def build_weights(
+    spec: TinyModelSpec,
+    ids: dict[str, int],
+    seed: int,
+    trigger_candidates: Sequence[int] | None = None,
+    suppressed: Sequence[int] = (),
+) -> dict[str, Any]:
+    """All tensors of the LlamaForCausalLM state dict as float32 numpy arrays (HF names).
+
+    ``trigger_candidates``: token ids allowed to trigger </think> / eos (default: every ordinary token).
+    ``suppressed``: ordinary token ids the model must never generate (strongly negative logit).
+    """
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(seed))
+    h, v, hd, nh = spec.hidden_size, spec.vocab_size, spec.head_dim, spec.num_heads
+    if nh * hd != h:
+        raise ValueError(f"num_heads*head_dim={nh * hd} must equal hidden_size={h}")
+    if h <= 4 * _NUM_RESERVED:
+        raise ValueError(f"hidden_size={h} too small")
+    one, think_end, seen, trig_think, trig_eos = (
+        h - c for c in (_CH_ONE, _CH_THINK_END, _CH_SEEN, _CH_TRIG_THINK, _CH_TRIG_EOS)
+    )
+    reserved = [one, think_end, seen, trig_think, trig_eos]
+
+    def normal(shape: tuple[int, ...], std: float) -> Any:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    special_ids = [ids[t] for t in (*SPECIAL_TOKENS, *THINK_TOKENS)]
+    ordinary = np.setdiff1d(np.arange(v), np.array(special_ids))
+
+    embed = normal((v, h), spec.embed_std)
+    embed[:, reserved] = 0.0
+    embed[:, one] = 1.0
+    embed[ids[THINK_END_TOKEN], think_end] = 1.0
+    candidates = ordinary if trigger_candidates is None else np.array(sorted(trigger_candidates), dtype=np.int64)
+    if len(candidates) < 4:  # a tiny corpus has few merged tokens: any ordinary token may trigger then
+        candidates = ordinary
+    perm = rng.permutation(candidates)
+    # Fractions are of the whole vocabulary; with few candidates, at most a third of them each.
+    n_think = max(1, min(round(spec.think_trigger_fraction * len(ordinary)), len(perm) // 3))
+    n_eos = max(1, min(round(spec.eos_trigger_fraction * len(ordinary)), len(perm) // 3))
+    embed[perm[:n_think], trig_think] = 1.0
+    embed[perm[n_think : n_think + n_eos], trig_eos] = 1.0
+
+    tensors: dict[str, Any] = {"model.embed_tokens.weight": embed}
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        q = normal((nh * hd, h), spec.layer_std)
+        k = normal((nh * hd, h), spec.layer_std)
+        vv = normal((nh * hd, h), spec.layer_std)
+        o = normal((h, nh * hd), spec.layer_std)
+        gate = normal((spec.intermediate_size, h), spec.layer_std)
+        up = normal((spec.intermediate_size, h), spec.layer_std)
+        down = normal((h, spec.intermediate_size), spec.layer_std)
+        # Only the dedicated head writes to the reserved channels.
+        o[reserved, :] = 0.0
+        down[reserved, :] = 0.0
+        if layer == 0:
+            # Head 0: "has </think> appeared?"  The lowest-frequency RoPE pair is (hd/2 - 1, hd - 1); with
+            # rope_theta 5e5 it rotates by < 0.01 rad over 2048 positions, so the score is position-free.
+            head = slice(0, hd)
+            q[head, :] = 0.0
+            k[head, :] = 0.0
+            vv[head, :] = 0.0
+            o[:, head] = 0.0
+            # RMSNorm scales a token's row by sqrt(h)/|row|; compute the normalized values to set exact gains.
+            e_one = _normed(embed[ordinary], one).mean()
+            e_think = _normed(embed[[ids[THINK_END_TOKEN]]], think_end)[0]
+            score = 40.0  # logit of attending to a </think> position; others score 0
+            q[hd // 2 - 1, one] = np.float32(np.sqrt(score * np.sqrt(hd)) / e_one)
+            k[hd // 2 - 1, think_end] = np.float32(np.sqrt(score * np.sqrt(hd)) / e_think)
+            vv[0, think_end] = np.float32(1.0 / e_think)
+            o[seen, 0] = 1.0  # SEEN becomes exactly 1.0 (like ONE) once </think> is in context
+        tensors[p + "self_attn.q_proj.weight"] = q
+        tensors[p + "self_attn.k_proj.weight"] = k
+        tensors[p + "self_attn.v_proj.weight"] = vv
+        tensors[p + "self_attn.o_proj.weight"] = o
+        tensors[p + "mlp.gate_proj.weight"] = gate
+        tensors[p + "mlp.up_proj.weight"] = up
+        tensors[p + "mlp.down_proj.weight"] = down
+        tensors[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float32)
+        tensors[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
+    tensors["model.norm.weight"] = np.ones(h, dtype=np.float32)
+
+    lm_head = normal((v, h), spec.lm_head_std)
+    lm_head[:, reserved] = 0.0
+    # No immediate repetition: push each token's output row away from its own embedding, so "x x x x" loops (a
+    # random next-token map has fixed points) cannot start; the logit of t drops by ~5 std when t is current.
+    free = np.ones(h, dtype=bool)
+    free[reserved] = False
+    own = embed[:, free] / np.linalg.norm(embed[:, free], axis=1, keepdims=True)
+    lm_head[:, free] -= np.float32(5.0 * spec.lm_head_std) * own.astype(np.float32)
+    # Final RMSNorm divides by the residual's rms (~ a few units); gains are in "raw residual units" and large
+    # enough to beat the max of ~4k random logits (std ~ lm_head_std * sqrt(h)).
+    gain = np.float32(12.0 * spec.lm_head_std * np.sqrt(h))
+    lm_head[special_ids, :] = 0.0
+    for token in (BOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, THINK_START_TOKEN):
+        lm_head[ids[token], one] = -gain
+    if len(suppressed):
+        rows = np.array(sorted(suppressed), dtype=np.int64)
+        lm_head[rows, :] = 0.0
+        lm_head[rows, one] = -gain
+    lm_head[ids[THINK_END_TOKEN], trig_think] = gain
+    lm_head[ids[THINK_END_TOKEN], seen] = -2 * gain
+    lm_head[ids[EOS_TOKEN], trig_eos] = gain
+    lm_head[ids[EOS_TOKEN], seen] = 2 * gain
+    lm_head[ids[EOS_TOKEN], one] = -2 * gain
+    tensors["lm_head.weight"] = lm_head
+    return tensors
+
+
+def _normed(rows: Any, channel: int) -> Any:
+    import numpy as np
+
+    rms = np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=1))
+    return rows[:, channel] / rms
+
+
+def build_tiny_model(
+    out_dir: Path,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 256,
+    vocab_size: int = 4096,
+    corpus: Iterable[str] | None = None,
+    spec: TinyModelSpec | None = None,
+) -> Path:
+    """Write config, float32 safetensors weights, tokenizer and generation config to ``out_dir``; return it.
+
+    ``spec`` overrides every shape/knob; otherwise the defaults of `TinyModelSpec` with the given layer count,
+    hidden size and vocab size (heads = hidden_size // 64, intermediate ~ 8/3 * hidden rounded up to 16).
+    """
+    from safetensors.numpy import save_file
+
+    if spec is None:
+        base = TinyModelSpec()
+        # Keep the per-unit scales of the 256 default at other widths: a projection's output std grows with
+        # sqrt(fan_in), so std ~ 1/sqrt(hidden) keeps layer contributions and logit spread the same.
+        width = math.sqrt(base.hidden_size / hidden_size)
+        spec = TinyModelSpec(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            num_heads=max(1, hidden_size // 64),
+            head_dim=64 if hidden_size >= 64 else hidden_size,
+            intermediate_size=-(-(8 * hidden_size // 3) // 16) * 16,
+            layer_std=base.layer_std * width,
+            lm_head_std=base.lm_head_std * width,
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(corpus if corpus is not None else default_corpus(), spec.vocab_size)
+    ids = {t: tokenizer.token_to_id(t) for t in (*SPECIAL_TOKENS, *THINK_TOKENS)}
+
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer, spec.max_position_embeddings))
+    _write_json(
+        out_dir / "special_tokens_map.json",
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
+    )
+    _write_json(out_dir / "config.json", _model_config(spec, ids))
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": ids[BOS_TOKEN],
+            "eos_token_id": ids[EOS_TOKEN],
+            "pad_token_id": ids[PAD_TOKEN],
+            # Greedy by default: vLLM takes sampling defaults from here when the request does not set them.
+            "do_sample": False,
+        },
+    )
+    # Ids past the trained vocabulary (a small corpus gives fewer merges) have no text: never generate them.
+    suppressed = sorted(set(_unprintable_tokens(tokenizer)) | set(range(tokenizer.get_vocab_size(), spec.vocab_size)))
+    candidates = sorted(set(_trigger_candidates(tokenizer)) - set(suppressed))
+    weights = build_weights(spec, ids, seed, trigger_candidates=candidates, suppressed=suppressed)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; keep the folder uniformly readable
+    return out_dir
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode (the byte-level pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+def _unprintable_tokens(tokenizer: Any) -> list[int]:
+    """Tokens that are not valid UTF-8 on their own (a fragment of a multi-byte character) or hold control
+    characters. A random model emits them freely; the served text would then carry U+FFFD and control bytes, and
+    re-tokenizing a response would not give back its token ids. Never generating them keeps responses clean."""
+    decoder = _byte_decoder()
+    reserved = set(SPECIAL_TOKENS) | set(THINK_TOKENS)
+    out = []
+    for token, token_id in tokenizer.get_vocab().items():
+        if token in reserved:
+            continue
+        try:
+            text = bytes(decoder[ch] for ch in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            out.append(token_id)
+            continue
+        if any(ord(ch) < 32 and ch not in "\n\t" for ch in text) or "\x7f" in text:
+            out.append(token_id)
+    return sorted(out)
+
+
+def _trigger_candidates(tokenizer: Any) -> list[int]:
+    """Merged, non-whitespace tokens: a trigger on a single byte or on the "\\n" that ends every generation
+    prompt would fire on nearly every request and give empty reasoning/content."""
+    reserved = set(SPECIAL_TOKENS) | set(THINK_TOKENS)
+    out = []
+    for token, token_id in tokenizer.get_vocab().items():
+        # Byte-level alphabet: "Ġ" is a space, "Ċ" a newline, "ĉ" a tab.
+        if token in reserved or len(token) < 3 or not token.strip("ĠĊĉ"):
+            continue
+        out.append(token_id)
+    return sorted(out)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3 tiny-model", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="directory to write the model into (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    args = parser.parse_args(argv)
+    out = build_tiny_model(
+        args.out_dir,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
