@@ -20,7 +20,7 @@ from eagle3_assets import settings
 # so the trained draft is measured on the outputs it was trained to predict.
 DEMO_ENV = {
     "EAGLE3_MAX_TOKENS": "384",
-    "EAGLE3_CONCURRENCY": "48",
+    "EAGLE3_CONCURRENCY": "64",
     "EAGLE3_TEMPERATURE": "0",
     "EAGLE3_REQUEST_TIMEOUT_S": "600",
 }
@@ -72,11 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3_assets.definitions import build_definitions
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 
-    defs = build_definitions()
-    graph = defs.resolve_asset_graph()
-    assets = list(defs.assets or [])
-    instance = dg.DagsterInstance.get()
     try:
+        defs = build_definitions()
+        graph = defs.resolve_asset_graph()
+        assets = list(defs.assets or [])
+        instance = dg.DagsterInstance.get()
         for key in graph.toposorted_asset_keys:
             node = graph.get(key)
             name = key.to_user_string()
