@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(CURDIR)/dagster_home
 export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 
-.PHONY: install install-vllm test test-fast lint dev counts demo clean-data
+.PHONY: install install-vllm install-browser test test-fast lint dev counts demo clean-data backfill-missing sync status bench-overhead
 
 ## install: the project venv (.venv): dagster, polars, duckdb, openai, CPU torch, speculators
 install: $(VENV)/.installed
@@ -32,9 +32,16 @@ $(VENV_VLLM)/.installed: requirements-vllm.txt constraints.txt
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
-## test: everything CI runs (slow end-to-end tests included)
-test: install install-vllm
-	$(VENV)/bin/python -m pytest -q
+## install-browser: Debian chromium (apt-get) + playwright for tests/test_browser.py
+install-browser: $(VENV)/.browser-installed
+$(VENV)/.browser-installed: tests/browser/install.sh $(VENV)/.installed
+	bash tests/browser/install.sh $(PY)
+	touch $@
+
+## test: everything CI runs (slow end-to-end tests included); screenshots land in test-artifacts/
+test: install install-vllm install-browser
+	EAGLE3_REQUIRE_VLLM=1 EAGLE3_TEST_ARTIFACTS=$${EAGLE3_TEST_ARTIFACTS:-$(CURDIR)/test-artifacts} \
+		$(VENV)/bin/python -m pytest -q
 
 ## test-fast: skip the slow end-to-end tests
 test-fast: install
@@ -58,3 +65,20 @@ demo: install install-vllm
 
 clean-data:
 	rm -rf $(EAGLE3_DATA_DIR)
+
+## backfill-missing: ONE daemon backfill of the missing/failed synthetic_responses partitions (+ downstream);
+##   PARTITIONS=00003,00007 narrows it, DRY_RUN=1 only lists. The daemon runs under `make dev`.
+backfill-missing: install
+	$(VENV)/bin/eagle3 backfill --missing $(if $(PARTITIONS),--partitions $(PARTITIONS)) $(if $(DRY_RUN),--dry-run)
+
+## sync: record valid partition files on disk that DAGSTER_HOME lost
+sync: install
+	$(VENV)/bin/eagle3 sync
+
+## status: partition files on disk vs Dagster's materializations
+status: install
+	$(VENV)/bin/eagle3 status
+
+## bench-overhead: per-partition orchestration overhead, in-process vs multiprocess executor
+bench-overhead: install
+	$(VENV)/bin/python benchmarks/partition_overhead.py

@@ -17,12 +17,22 @@ def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return DataLayout.at(args.data_dir or settings.read_env("EAGLE3_DATA_DIR"))
 
 
+STATUS_COLUMNS = ("ok", "failed", "truncated", "prompt_tokens", "completion_tokens")
+
+
 def cmd_counts(args: argparse.Namespace) -> int:
+    import duckdb
+
     from eagle3_assets import storage
 
     layout = _layout(args)
-    rows = storage.partition_row_counts(layout)
-    status = storage.response_status_counts(layout)
+    try:
+        rows = storage.partition_row_counts(layout)
+        status = storage.response_status_counts(layout)
+    except duckdb.Error as error:  # one unreadable file fails the whole glob
+        print(f"eagle3 counts: {str(error).splitlines()[0]}", file=sys.stderr)
+        print("`eagle3 status` lists each partition file and which one is unreadable", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"data_dir": str(layout.root), "rows": rows, "synthetic_responses": status}, indent=2))
         return 0
@@ -31,22 +41,150 @@ def cmd_counts(args: argparse.Namespace) -> int:
         return 0
     keys = sorted({key for per_asset in rows.values() for key in per_asset})
     assets = list(rows)
-    header = ["partition", *assets, "ok", "failed", "truncated", "completion_tokens"]
+    # ok/failed/truncated and the token sums are those of synthetic_responses (rows = ok + failed).
+    header = ["partition", *assets, *STATUS_COLUMNS]
     table = [header]
     for key in keys:
         s = status.get(key, {})
         table.append(
-            [key, *(str(rows[a].get(key, "-")) for a in assets)]
-            + [str(s.get(k, "-")) for k in ("ok", "failed", "truncated", "completion_tokens")]
+            [key, *(str(rows[a].get(key, "-")) for a in assets)] + [str(s.get(k, "-")) for k in STATUS_COLUMNS]
         )
     totals = ["total", *(str(sum(rows[a].values())) for a in assets)] + [
-        str(sum(s.get(k, 0) for s in status.values())) for k in ("ok", "failed", "truncated", "completion_tokens")
+        str(sum(s.get(k, 0) for s in status.values())) for k in STATUS_COLUMNS
     ]
     table.append(totals)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     print(f"data: {layout.root}")
     for row in table:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    return 0
+
+
+def _instance():  # type: ignore[no-untyped-def]
+    """The Dagster instance of DAGSTER_HOME (the one `make dev` and the daemon use)."""
+    import os
+
+    import dagster as dg
+
+    home = os.environ.get("DAGSTER_HOME", "").strip()
+    if not home:
+        raise settings.ConfigError("DAGSTER_HOME='': set it to the instance folder (make sets it to dagster_home/)")
+    if not Path(home).is_dir():
+        raise settings.ConfigError(f"DAGSTER_HOME={home!r}: not a directory")
+    return dg.DagsterInstance.get()
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    from eagle3_assets.operations import backfill
+
+    if not args.missing:
+        print(
+            "eagle3 backfill: only --missing is supported (full backfills: the UI or `dagster job backfill`)",
+            file=sys.stderr,
+        )
+        return 2
+    partitions = [k.strip() for k in args.partitions.split(",") if k.strip()] if args.partitions else None
+    # --json: only the JSON document on stdout (messages for people go to stderr).
+    say = (lambda text: print(text, file=sys.stderr)) if args.json else print
+    with _instance() as instance:
+        try:
+            plan = backfill.plan_missing(instance, args.asset, partitions, downstream=not args.no_downstream)
+        except (KeyError, ValueError) as error:
+            print(f"eagle3 backfill: {error.args[0] if error.args else error}", file=sys.stderr)
+            return 2
+        result: dict[str, object] = {
+            "asset": plan.asset,
+            "dry_run": args.dry_run,
+            "targets": plan.targets,
+            "status": plan.status,
+            "backfill_id": None,
+        }
+        if not plan.registered:
+            say(f"no partitions registered for {plan.asset}: materialize raw_prompts (or run `eagle3 sync`)")
+        elif plan.empty:
+            say(f"nothing missing or failed among {len(plan.registered)} partitions of {plan.asset}")
+        elif args.dry_run:
+            say(f"would launch one backfill:\n{plan.describe()}")
+        else:
+            result["backfill_id"] = backfill_id = backfill.launch(instance, plan)
+            say(f"launched backfill {backfill_id}:\n{plan.describe()}")
+            say("follow it in the UI: Overview > Backfills (`make dev` runs the daemon that executes it)")
+            if not backfill.daemon_running(instance):
+                print(
+                    "warning: no dagster-daemon heartbeat in the last 2 minutes; the backfill waits until one "
+                    "runs (`make dev` or `dagster-daemon run -w workspace.yaml`)",
+                    file=sys.stderr,
+                )
+        if args.json:
+            print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from eagle3_assets.operations.sync import sync
+
+    layout = _layout(args)
+    with _instance() as instance:
+        report = sync(instance, layout, dry_run=args.dry_run, include_failed=args.include_failed)
+    verb = "would record" if args.dry_run else "recorded"
+    if args.json:
+
+        def rows(verdicts):  # type: ignore[no-untyped-def]
+            return [
+                {
+                    "asset": v.asset,
+                    "partition": v.partition_key,
+                    "path": str(v.path),
+                    "reason": v.reason,
+                    "rows": v.metadata.get("dg.row_count"),
+                }
+                for v in verdicts
+            ]
+
+        print(
+            json.dumps(
+                {
+                    "dry_run": args.dry_run,
+                    "registered_partitions": report.registered_partitions,
+                    "recorded": rows(report.recorded),
+                    "already": rows(report.already),
+                    "skipped_failed": rows(report.skipped_failed),
+                    "invalid": rows(report.invalid),
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"data: {layout.root}")
+        if report.registered_partitions:
+            print(
+                f"{'would register' if args.dry_run else 'registered'} {len(report.registered_partitions)} "
+                f"partition keys: {', '.join(report.registered_partitions)}"
+            )
+        for v in report.recorded:
+            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('dg.row_count')} rows)")
+        for v in report.skipped_failed:
+            print(f"skipped: {v.asset} {v.partition_key}: Dagster records a failed run; --include-failed records it")
+        for v in report.invalid:
+            print(f"INVALID, not recorded: {v.asset} {v.partition_key or ''} {v.path}: {v.reason}")
+        print(
+            f"{len(report.recorded)} {verb}, {len(report.already)} already materialized in Dagster, "
+            f"{len(report.skipped_failed)} skipped (failed), {len(report.invalid)} invalid"
+        )
+    return 1 if report.invalid else 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from eagle3_assets.operations import status
+
+    layout = _layout(args)
+    with _instance() as instance:
+        rows = status.partition_table(instance, layout)
+    if args.json:
+        print(json.dumps({"data_dir": str(layout.root), "partitions": [r.as_dict() for r in rows]}, indent=2))
+    else:
+        print(f"data: {layout.root}")
+        print(status.render(rows))
     return 0
 
 
@@ -71,10 +209,25 @@ def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespac
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        result = getattr(importlib.import_module(module), function)(args.rest)
-        return int(result or 0)
+        try:
+            target = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module:  # a missing dependency inside the module: show the real error
+                raise
+            print(f"eagle3 {args.command}: {module} is not part of this checkout", file=sys.stderr)
+            return 2
+        return int(getattr(target, function)(args.rest) or 0)
 
     return run
+
+
+# Subcommands that hand their arguments, unparsed, to another module's main(argv).
+FORWARDED = {
+    "tiny-model": ("eagle3_assets.local.tiny_model", "build the tiny local verifier (model + tokenizer)"),
+    "serve-local": ("eagle3_assets.local.vllm_server", "run the embedded CPU vLLM server"),
+    "demo": ("eagle3_assets.demo", "materialize the whole pipeline on the sample data"),
+    "evaluate": ("eagle3_assets.evaluation.cli", "evaluate a draft model against vLLM (acceptance per position)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,11 +249,32 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=cmd_sample_data)
 
-    for name, module, help_text in [
-        ("tiny-model", "eagle3_assets.local.tiny_model", "build the tiny local verifier (model + tokenizer)"),
-        ("serve-local", "eagle3_assets.local.vllm_server", "run the embedded CPU vLLM server"),
-        ("demo", "eagle3_assets.demo", "materialize the whole pipeline on the sample data"),
-    ]:
+    backfill = sub.add_parser(
+        "backfill", help="launch ONE daemon backfill of the missing/failed partitions (visible in the UI)"
+    )
+    backfill.add_argument("--missing", action="store_true", help="only partitions missing or failed in Dagster")
+    backfill.add_argument("--asset", default="synthetic_responses", help="anchor asset (default: %(default)s)")
+    backfill.add_argument("--partitions", help="comma-separated keys to consider (default: all registered)")
+    backfill.add_argument("--no-downstream", action="store_true", help="leave partitioned descendants out")
+    backfill.add_argument("--dry-run", action="store_true", help="list what would be launched")
+    backfill.add_argument("--json", action="store_true", help="also print the plan as JSON")
+    backfill.set_defaults(func=cmd_backfill)
+
+    sync_parser = sub.add_parser("sync", help="record valid partition files on disk as materialized in Dagster")
+    sync_parser.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR")
+    sync_parser.add_argument("--dry-run", action="store_true", help="validate and report, record nothing")
+    sync_parser.add_argument(
+        "--include-failed", action="store_true", help="also record files of partitions whose latest run failed"
+    )
+    sync_parser.add_argument("--json", action="store_true", help="machine-readable output")
+    sync_parser.set_defaults(func=cmd_sync)
+
+    status_parser = sub.add_parser("status", help="partition files on disk vs Dagster's materializations")
+    status_parser.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR")
+    status_parser.add_argument("--json", action="store_true", help="machine-readable output")
+    status_parser.set_defaults(func=cmd_status)
+
+    for name, (module, help_text) in FORWARDED.items():
         forward = sub.add_parser(name, help=help_text, add_help=False)
         forward.add_argument("rest", nargs=argparse.REMAINDER)
         forward.set_defaults(func=_forward(module))
@@ -108,7 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        # Bypass argparse: REMAINDER does not capture a leading option, so `eagle3 demo --help` would fail.
+        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=_forward(FORWARDED[argv[0]][0]))
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except settings.ConfigError as error:

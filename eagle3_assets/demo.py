@@ -23,6 +23,8 @@ DEMO_ENV = {
     "EAGLE3_CONCURRENCY": "64",
     "EAGLE3_TEMPERATURE": "0",
     "EAGLE3_REQUEST_TIMEOUT_S": "600",
+    # The tiny verifier has 4 layers: EAGLE-3's default [2, N//2, N-3] would repeat layer 2.
+    "EAGLE3_LAYER_IDS": "1,2,3",
 }
 
 

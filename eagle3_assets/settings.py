@@ -167,6 +167,12 @@ ENV_SETTINGS: dict[str, EnvSetting] = {
             "Local Hugging Face model folder of the verifier (hidden states, training). Empty: the demo's tiny model.",
             _as_optional_str,
         ),
+        EnvSetting(
+            "EAGLE3_LAYER_IDS",
+            "",
+            "Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`.",
+            parse_layer_ids,
+        ),
     ]
 }
 

@@ -52,6 +52,15 @@ class VerifierResource(dg.ConfigurableResource):
 
     path: str = ""
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    # Aux layers whose hidden states EAGLE-3 trains on; empty: [2, N//2, N-3], checked against the model
+    layer_ids: str = ""
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self.resolved_path()
+        self.layer_id_list()
+
+    def layer_id_list(self) -> list[int] | None:
+        return settings.parse_layer_ids("EAGLE3_LAYER_IDS", self.layer_ids)
 
     def resolved_path(self) -> Path:
         if not self.path.strip():
@@ -77,6 +86,9 @@ def default_resources() -> dict[str, object]:
             partition_size=env("EAGLE3_PARTITION_SIZE"),
             max_reject_share=env("EAGLE3_MAX_REJECT_SHARE"),
         ),
-        "verifier": VerifierResource(path=env("EAGLE3_VERIFIER_PATH") or ""),
+        "verifier": VerifierResource(
+            path=env("EAGLE3_VERIFIER_PATH") or "",
+            layer_ids=",".join(map(str, env("EAGLE3_LAYER_IDS") or [])),
+        ),
         "inference_server": inference_resource_from_env(),
     }

@@ -1,0 +1,162 @@
+"""``eagle3 backfill --missing``: one daemon-run asset backfill over the missing or failed partitions.
+
+How the partitions are found: the instance's partition status cache (``DagsterInstance.get_status_by_partition``,
+the one the UI's partition bars read, derived from the event log) over every registered key of the dynamic
+partitions. ``missing`` = never materialized, ``failed`` = the latest run that planned it failed; partitions
+in progress are left alone (a second run would fight the first for the partition lock).
+
+How it is launched: a ``PartitionBackfill`` written with ``DagsterInstance.add_backfill``, exactly what the
+UI's launch dialog and the GraphQL ``launchPartitionBackfill`` mutation store. It needs no running webserver;
+``dagster-daemon`` (started by ``dagster dev``) picks it up, launches one run per partition through the run
+queue and the ``vllm`` pool, and the backfill appears under Overview > Backfills.
+
+Downstream: descendants partitioned like the anchor asset (hidden_states) get the anchor's targets plus
+their own missing/failed partitions, so a partition whose responses exist is not regenerated just because
+its hidden states are missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from eagle3_assets.operations.common import (
+    FAILED,
+    IN_PROGRESS,
+    MISSING,
+    asset_key,
+    load_asset_graph,
+    partition_status,
+    partitioned_downstream,
+    partitions_def_of,
+    registered_partition_keys,
+)
+
+if TYPE_CHECKING:
+    import dagster as dg
+    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+DEFAULT_ASSET = "synthetic_responses"
+LAUNCHED_BY_TAG = "eagle3/launched_by"
+
+
+@dataclass
+class BackfillPlan:
+    asset: str
+    registered: list[str]  # every known partition key of the asset
+    status: dict[str, dict[str, str]]  # asset -> partition -> materialized/failed/in_progress/missing
+    targets: dict[str, list[str]] = field(default_factory=dict)  # asset -> partitions to (re)materialize
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.targets.values())
+
+    def describe(self) -> str:
+        lines = []
+        for name, keys in self.targets.items():
+            states = self.status.get(name, {})
+            detail = ", ".join(f"{k} ({states.get(k, MISSING)})" for k in keys) or "nothing"
+            lines.append(f"{name}: {len(keys)} partition(s): {detail}")
+        busy = sorted(k for k, s in self.status.get(self.asset, {}).items() if s == IN_PROGRESS)
+        if busy:
+            lines.append(f"left alone, in progress: {', '.join(busy)}")
+        return "\n".join(lines)
+
+
+def plan_missing(
+    instance: dg.DagsterInstance,
+    asset: str = DEFAULT_ASSET,
+    partitions: Sequence[str] | None = None,
+    downstream: bool = True,
+    graph: BaseAssetGraph | None = None,
+) -> BackfillPlan:
+    """Which partitions of ``asset`` (and its partitioned descendants) are missing or failed."""
+    graph = graph or load_asset_graph()
+    anchor = asset_key(asset)
+    partitions_def = partitions_def_of(graph, anchor)
+    if partitions_def is None:
+        raise ValueError(f"{asset} is not partitioned; materialize it from the UI or `dagster asset materialize`")
+    registered = registered_partition_keys(instance, partitions_def)
+    scope = registered
+    if partitions:
+        unknown = [k for k in partitions if k not in set(registered)]
+        if unknown:
+            raise ValueError(
+                f"--partitions {','.join(unknown)}: not registered partition keys of {asset} "
+                f"(known: {_short(registered)}); materialize raw_prompts or run `eagle3 sync` first"
+            )
+        scope = [k for k in registered if k in set(partitions)]
+    plan = BackfillPlan(asset=asset, registered=registered, status={})
+    chosen: set[str] = set()
+    for key in [anchor, *(partitioned_downstream(graph, anchor) if downstream else [])]:
+        states = partition_status(instance, key, partitions_def, scope)
+        name = key.to_user_string()
+        plan.status[name] = states
+        own = {k for k, s in states.items() if s in (MISSING, FAILED)}
+        if key != anchor:  # a descendant also follows what is regenerated upstream of it
+            own |= {k for k in chosen if states.get(k) != IN_PROGRESS}
+        plan.targets[name] = [k for k in scope if k in own]
+        chosen |= own
+    return plan
+
+
+def launch(
+    instance: dg.DagsterInstance, plan: BackfillPlan, graph: BaseAssetGraph | None = None, title: str | None = None
+) -> str:
+    """Store the backfill for the daemon; returns its id (Overview > Backfills > id in the UI)."""
+    import dagster as dg
+    from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
+    from dagster._core.execution.backfill import PartitionBackfill
+    from dagster._core.utils import make_new_backfill_id
+    from dagster._time import get_current_timestamp
+
+    if plan.empty:
+        raise ValueError("nothing to backfill")
+    graph = graph or load_asset_graph()
+    subsets = {
+        dg.AssetKey.from_user_string(name): graph.get(
+            dg.AssetKey.from_user_string(name)
+        ).partitions_def.subset_with_partition_keys(keys)
+        for name, keys in plan.targets.items()
+        if keys
+    }
+    backfill = PartitionBackfill.from_asset_graph_subset(
+        backfill_id=make_new_backfill_id(),
+        backfill_timestamp=get_current_timestamp(),
+        tags={LAUNCHED_BY_TAG: "eagle3 backfill --missing"},
+        dynamic_partitions_store=instance,
+        asset_graph_subset=AssetGraphSubset(partitions_subsets_by_asset_key=subsets),
+        title=title or f"missing {plan.asset} ({len(plan.targets[plan.asset])} partitions)",
+        description=plan.describe(),
+        run_config=None,
+    )
+    instance.add_backfill(backfill)
+    return backfill.backfill_id
+
+
+def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, list[str]]:
+    """Partition keys per asset that a stored backfill targets (what the UI lists for it)."""
+    backfill = instance.get_backfill(backfill_id)
+    if backfill is None:
+        raise KeyError(f"no backfill {backfill_id}")
+    data = backfill.asset_backfill_data
+    assert data is not None, "not an asset backfill"
+    return {
+        key.to_user_string(): sorted(subset.get_partition_keys())
+        for key, subset in data.target_subset.partitions_subsets_by_asset_key.items()
+    }
+
+
+def daemon_running(instance: dg.DagsterInstance, within_s: float = 120.0) -> bool:
+    """Whether a dagster-daemon sent a backfill heartbeat recently (else a backfill would just wait)."""
+    import time
+
+    beats = instance.get_daemon_heartbeats()
+    beat = beats.get("BACKFILL")
+    return beat is not None and time.time() - beat.timestamp < within_s
+
+
+def _short(keys: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "") if keys else "none"

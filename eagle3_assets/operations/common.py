@@ -1,0 +1,150 @@
+"""Shared pieces of the operations: the asset graph, per-partition status and latest materializations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import dagster as dg
+    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+# Values of PartitionState.status
+MATERIALIZED = "materialized"
+FAILED = "failed"
+IN_PROGRESS = "in_progress"
+MISSING = "missing"
+
+
+def load_asset_graph() -> BaseAssetGraph:
+    """The asset graph of the code location (the same module ``workspace.yaml`` loads)."""
+    from eagle3_assets.definitions import defs
+
+    return defs.resolve_asset_graph()
+
+
+def asset_key(name: str) -> dg.AssetKey:
+    import dagster as dg
+
+    return dg.AssetKey.from_user_string(name)
+
+
+def partitions_def_of(graph: BaseAssetGraph, key: dg.AssetKey) -> Any:
+    if not graph.has(key):
+        known = ", ".join(sorted(k.to_user_string() for k in graph.get_all_asset_keys()))
+        raise KeyError(f"no asset {key.to_user_string()!r} in the definitions (known: {known})")
+    return graph.get(key).partitions_def
+
+
+def registered_partition_keys(instance: dg.DagsterInstance, partitions_def: Any) -> list[str]:
+    """All partition keys of ``partitions_def`` (dynamic ones are read from the instance)."""
+    import dagster as dg
+
+    if isinstance(partitions_def, dg.DynamicPartitionsDefinition):
+        assert partitions_def.name is not None
+        return list(instance.get_dynamic_partitions(partitions_def.name))
+    return list(partitions_def.get_partition_keys(dynamic_partitions_store=instance))
+
+
+def partition_status(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions_def: Any, partition_keys: Sequence[str]
+) -> dict[str, str]:
+    """materialized / failed / in_progress / missing per partition key, from the instance's status cache.
+
+    This is the cache the UI's partition bar reads: it is derived from the event log (materializations,
+    planned materializations of runs in progress, and failures of runs that planned a partition).
+    """
+    from dagster._core.storage.partition_status_cache import AssetPartitionStatus
+
+    by_key = instance.get_status_by_partition(key, list(partition_keys), partitions_def) or {}
+    names = {
+        AssetPartitionStatus.MATERIALIZED: MATERIALIZED,
+        AssetPartitionStatus.FAILED: FAILED,
+        AssetPartitionStatus.IN_PROGRESS: IN_PROGRESS,
+    }
+    return {k: names.get(by_key.get(k), MISSING) for k in partition_keys}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RecordedMaterialization:
+    partition_key: str
+    timestamp: float
+    run_id: str  # "" for runless events (e.g. written by ``eagle3 sync``)
+    row_count: int | None
+
+
+def latest_materializations(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition_keys: Sequence[str]
+) -> dict[str, RecordedMaterialization]:
+    """The newest materialization event per partition (one storage query per 100 partitions)."""
+    import dagster as dg
+    from dagster._core.instance.utils import RUNLESS_RUN_ID
+
+    latest: dict[str, RecordedMaterialization] = {}
+    keys = list(partition_keys)
+    for start in range(0, len(keys), 100):
+        chunk = keys[start : start + 100]
+        wanted = set(chunk)
+        cursor = None
+        while wanted:
+            result = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=key, asset_partitions=chunk), limit=1000, cursor=cursor
+            )
+            for record in result.records:  # newest first
+                partition = record.partition_key
+                if partition not in wanted:
+                    continue
+                wanted.discard(partition)
+                materialization = record.asset_materialization
+                rows = materialization.metadata.get("dg.row_count") if materialization else None
+                run_id = record.run_id if record.run_id != RUNLESS_RUN_ID else ""
+                latest[partition] = RecordedMaterialization(
+                    partition, record.timestamp, run_id, int(rows.value) if rows is not None else None
+                )
+            if not result.has_more:
+                break
+            cursor = result.cursor
+    return latest
+
+
+def partitioned_downstream(graph: BaseAssetGraph, key: dg.AssetKey) -> list[dg.AssetKey]:
+    """Descendants of ``key`` partitioned exactly like it, in topological order.
+
+    A backfill of missing partitions carries them along: a regenerated response partition makes the hidden
+    states of that partition stale. Unpartitioned descendants (vocab_mapping, draft_model) are left to the
+    user: retraining is a decision, not a repair.
+    """
+    partitions_def = graph.get(key).partitions_def
+    seen: set[dg.AssetKey] = set()
+    frontier = list(graph.get(key).child_keys)
+    while frontier:
+        child = frontier.pop()
+        if child in seen or graph.get(child).partitions_def != partitions_def:
+            continue
+        seen.add(child)
+        frontier.extend(graph.get(child).child_keys)
+    order = [k for level in graph.toposorted_asset_keys_by_level for k in sorted(level) if k in seen]
+    return order
+
+
+def footer_row_counts(files: dict[str, Path]) -> tuple[dict[str, int], dict[str, str]]:
+    """Rows per partition file from its Parquet footer, file by file so one broken file does not hide the rest.
+
+    Returns (rows by partition key, error by partition key for files that are not readable Parquet).
+    """
+    import duckdb
+
+    rows: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    with duckdb.connect() as con:
+        for key, path in files.items():
+            quoted = str(path).replace("'", "''")
+            try:
+                found = con.execute(f"SELECT sum(num_rows) FROM parquet_file_metadata('{quoted}')").fetchone()
+            except duckdb.Error as error:
+                errors[key] = (str(error).strip().splitlines() or ["unreadable"])[0][:200]
+                continue
+            rows[key] = int(found[0] or 0) if found else 0
+    return rows, errors

@@ -1,0 +1,128 @@
+"""``eagle3 status``: partition files on disk beside Dagster's record of them, per partition.
+
+``where`` is ``both`` (file and materialization agree), ``disk only`` (a file Dagster does not count as
+materialized: run ``eagle3 sync``), ``dagster only`` (a recorded materialization whose file is gone: the next
+missing-only backfill will NOT regenerate it; wipe the partition in the UI or materialize it again) or
+``neither``. ``rows`` compares the file's footer with the ``dg.row_count`` of the latest materialization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from eagle3_assets.operations.common import (
+    MATERIALIZED,
+    asset_key,
+    footer_row_counts,
+    latest_materializations,
+    load_asset_graph,
+    partition_status,
+    registered_partition_keys,
+)
+from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout
+
+if TYPE_CHECKING:
+    import dagster as dg
+    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+BOTH, DISK_ONLY, DAGSTER_ONLY, NEITHER = "both", "disk only", "dagster only", "neither"
+
+
+@dataclass(frozen=True)
+class PartitionRow:
+    asset: str
+    partition_key: str
+    where: str
+    dagster_status: str  # materialized / failed / in_progress / missing / unregistered
+    disk_rows: int | None  # None: no file, or a file that is not readable Parquet (see error)
+    dagster_rows: int | None  # dg.row_count of the latest materialization
+    synced: bool  # the latest materialization was recorded by `eagle3 sync`, not by a run
+    error: str = ""  # why the file on disk is unreadable
+
+    @property
+    def rows_agree(self) -> bool | None:
+        if self.disk_rows is None or self.dagster_rows is None:
+            return None
+        return self.disk_rows == self.dagster_rows
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "rows_agree": self.rows_agree}
+
+
+def partition_table(
+    instance: dg.DagsterInstance, layout: DataLayout, graph: BaseAssetGraph | None = None
+) -> list[PartitionRow]:
+    graph = graph or load_asset_graph()
+    rows: list[PartitionRow] = []
+    for name in PARTITIONED_ASSETS:
+        key = asset_key(name)
+        files = layout.partition_files(name)
+        on_disk, errors = footer_row_counts(files)
+        if not graph.has(key):
+            if on_disk:  # files of an asset this code location does not define (yet)
+                rows += [
+                    PartitionRow(name, k, DISK_ONLY, "unknown asset", on_disk.get(k), None, False, errors.get(k, ""))
+                    for k in files
+                ]
+            continue
+        partitions_def = graph.get(key).partitions_def
+        registered = registered_partition_keys(instance, partitions_def)
+        states = partition_status(instance, key, partitions_def, registered)
+        latest = latest_materializations(instance, key, [k for k, s in states.items() if s == MATERIALIZED])
+        for partition in sorted(set(registered) | set(files)):
+            state = states.get(partition, "unregistered")
+            recorded = state == MATERIALIZED
+            present = partition in files
+            where = {(True, True): BOTH, (True, False): DISK_ONLY, (False, True): DAGSTER_ONLY}.get(
+                (present, recorded), NEITHER
+            )
+            record = latest.get(partition)
+            rows.append(
+                PartitionRow(
+                    name,
+                    partition,
+                    where,
+                    state,
+                    on_disk.get(partition),
+                    record.row_count if record else None,
+                    bool(record and not record.run_id),
+                    errors.get(partition, ""),
+                )
+            )
+    return rows
+
+
+def render(rows: list[PartitionRow]) -> str:
+    header = ["asset", "partition", "where", "dagster", "disk_rows", "dagster_rows", "note"]
+    table = [header]
+    for row in rows:
+        note = []
+        if row.error:
+            note.append(f"UNREADABLE: {row.error[:60]}")
+        if row.rows_agree is False:
+            note.append("ROW COUNTS DIFFER")
+        if row.synced:
+            note.append("synced")
+        if row.where == DISK_ONLY:
+            note.append("eagle3 sync")
+        if row.where == DAGSTER_ONLY:
+            note.append("file gone")
+        table.append(
+            [
+                row.asset,
+                row.partition_key,
+                row.where,
+                row.dagster_status,
+                "-" if row.disk_rows is None else str(row.disk_rows),
+                "-" if row.dagster_rows is None else str(row.dagster_rows),
+                ", ".join(note),
+            ]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.where] = counts.get(row.where, 0) + 1
+    lines.append("summary: " + (", ".join(f"{n} {w}" for w, n in sorted(counts.items())) or "no partitions"))
+    return "\n".join(lines)
