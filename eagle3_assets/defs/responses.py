@@ -3,6 +3,7 @@
 import dagster as dg
 
 from eagle3_assets import plots
+from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts
@@ -85,11 +86,4 @@ def synthetic_responses(
         (COMPLETENESS, completeness_check(result.path, [p.sample_id for p in prompts])),
         (ERROR_RATE, error_rate_check(result.path, config.max_error_rate)),
     ):
-        yield dg.AssetCheckResult(
-            check_name=name,
-            passed=outcome.passed,
-            description=outcome.description,
-            metadata={
-                k: dg.MetadataValue.json(v) if isinstance(v, (dict, list)) else v for k, v in outcome.metadata.items()
-            },
-        )
+        yield check_result(name, outcome)

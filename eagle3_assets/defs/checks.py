@@ -1,0 +1,23 @@
+"""Turning the core modules' check outcomes (passed, description, metadata) into Dagster check results."""
+
+from typing import Any, Protocol
+
+import dagster as dg
+
+
+class Outcome(Protocol):
+    passed: bool
+    description: str
+    metadata: dict[str, Any]
+
+
+def check_result(check_name: str, outcome: Outcome) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        check_name=check_name,
+        passed=outcome.passed,
+        description=outcome.description,
+        # Dagster's metadata values are scalars; lists and dicts (e.g. example ids) travel as JSON.
+        metadata={
+            k: dg.MetadataValue.json(v) if isinstance(v, (dict, list)) else v for k, v in outcome.metadata.items()
+        },
+    )

@@ -1,0 +1,154 @@
+"""``vocab_mapping`` and ``draft_model``: the draft vocabulary and the trained EAGLE-3 draft."""
+
+import json
+
+import dagster as dg
+
+from eagle3_assets.defs.hidden_states import hidden_states
+from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+
+
+def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
+    keys = sorted(data_store.layout.partition_files("hidden_states"))
+    if not keys:
+        raise FileNotFoundError(
+            f"no hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}: materialize them first"
+        )
+    return keys
+
+
+def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], str]:
+    """(training keys, validation key): the chosen one, or the last, is held out."""
+    if len(keys) < 2:
+        raise ValueError(
+            f"draft training needs at least 2 hidden_states partitions (one is held out for validation), found {keys}"
+        )
+    val = val_partition or keys[-1]
+    if val not in keys:
+        raise ValueError(f"val_partition={val_partition!r} is not a materialized hidden_states partition ({keys})")
+    return [k for k in keys if k != val], val
+
+
+class VocabMappingConfig(dg.Config):
+    draft_vocab_size: int = 32000  # capped at the verifier's vocabulary
+    val_partition: str = ""  # held out of the frequencies too; empty: the last partition
+
+
+@dg.asset(
+    deps=[hidden_states],
+    group_name="draft",
+    kinds={"pytorch", "numpy"},
+    description=(
+        "The draft vocabulary: the most frequent assistant tokens of the training partitions (loss-masked "
+        "frequencies), mapped with speculators' build_vocab_mappings_from_distribution (d2t, t2d)."
+    ),
+)
+def vocab_mapping(
+    config: VocabMappingConfig, data_store: DataStoreResource, verifier: VerifierResource
+) -> dg.MaterializeResult:
+    from eagle3_assets.training import build_vocab_mapping
+
+    verifier_config = json.loads((verifier.resolved_path() / "config.json").read_text())
+    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    result = build_vocab_mapping(
+        data_store.layout, train_keys, config.draft_vocab_size, target_vocab_size=int(verifier_config["vocab_size"])
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "draft_vocab_size": result.draft_vocab_size,
+            "requested_draft_vocab_size": result.requested_draft_vocab_size,
+            "target_vocab_size": result.target_vocab_size,
+            "capped": result.capped,
+            "distinct_assistant_tokens": result.distinct_tokens,
+            "assistant_tokens": result.loss_tokens,
+            "coverage": dg.MetadataValue.float(round(result.coverage, 6)),
+            "partitions": dg.MetadataValue.json(result.partitions),
+            "held_out_partition": val_key,
+            "notes": dg.MetadataValue.json(result.notes),
+            "path": dg.MetadataValue.path(str(result.d2t_path.parent)),
+        }
+    )
+
+
+class DraftTrainingConfig(dg.Config):
+    epochs: int = 10
+    lr: float = 1e-3
+    tokens_per_batch: int = 4096
+    ttt_steps: int = 3
+    num_layers: int = 1
+    val_partition: str = ""  # empty: the last hidden_states partition
+    max_steps_per_epoch: int = 0  # 0: no cap
+
+
+@dg.asset(
+    deps=[vocab_mapping],
+    group_name="draft",
+    kinds={"pytorch", "safetensors"},
+    description=(
+        "The EAGLE-3 draft, trained with speculators' own model classes on the stored hidden states with "
+        "training-time-test steps; checkpointed every epoch and resumed after a crash; saved in speculators' "
+        "format (final/), which vLLM loads as an eagle3 speculator."
+    ),
+)
+def draft_model(
+    context: dg.AssetExecutionContext,
+    config: DraftTrainingConfig,
+    data_store: DataStoreResource,
+    verifier: VerifierResource,
+) -> dg.MaterializeResult:
+    from eagle3_assets import plots
+    from eagle3_assets.training import TrainConfig, train_draft
+
+    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    result = train_draft(
+        data_store.layout,
+        train_keys,
+        val_key,
+        verifier.resolved_path(),
+        TrainConfig(
+            epochs=config.epochs,
+            lr=config.lr,
+            tokens_per_batch=config.tokens_per_batch,
+            ttt_steps=config.ttt_steps,
+            num_layers=config.num_layers,
+            device=verifier.device,
+            max_steps_per_epoch=config.max_steps_per_epoch or None,
+        ),
+        log=context.log.info,
+    )
+    last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
+    per_epoch = "\n".join(
+        f"| {i + 1} | {train:.4f} | {val:.4f} | {acc:.3f} |"
+        for i, (train, val, acc) in enumerate(
+            zip(result.train_loss, result.val_loss, result.val_acceptance_length, strict=False)
+        )
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "epochs": result.epochs,
+            "epochs_run": result.epochs_run,
+            "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
+            "steps": result.steps,
+            "tokens_trained": result.tokens_trained,
+            "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
+            "val_loss_untrained": result.val_loss_untrained,
+            "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),
+            "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
+            "seconds": round(result.seconds, 1),
+            "seconds_per_step": round(result.seconds_per_step, 3),
+            "train_partitions": dg.MetadataValue.json(result.train_partitions),
+            "val_partition": result.val_partition,
+            "layer_ids": dg.MetadataValue.json(result.layer_ids),
+            "draft_vocab_size": result.draft_vocab_size,
+            "notes": dg.MetadataValue.json(result.notes),
+            "path": dg.MetadataValue.path(str(result.final_dir)),
+            "loss_per_epoch": dg.MetadataValue.md(
+                "| epoch | train loss | val loss | est. acceptance length |\n|---|---|---|---|\n" + per_epoch
+            ),
+            "loss_curve": dg.MetadataValue.md(
+                plots.lines_markdown(
+                    {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"
+                )
+            ),
+        }
+    )

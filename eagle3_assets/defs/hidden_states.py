@@ -1,0 +1,96 @@
+"""``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
+
+import dagster as dg
+
+from eagle3_assets.defs.checks import check_result
+from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.responses import synthetic_responses
+
+TOKEN_IDS = "hidden_states_token_ids_match"
+FINITE = "hidden_states_finite"
+ONE_PER_OK = "hidden_states_one_per_ok_response"
+
+
+class HiddenStatesAssetConfig(dg.Config):
+    max_seq_len: int = 2048
+    dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
+    backend: str = "hf"  # "hf" (transformers forward); see eagle3_assets/hidden_states/backends.py
+    batch_tokens: int = 8192  # padded tokens per forward pass
+
+
+@dg.asset(
+    partitions_def=PROMPT_PARTITIONS,
+    deps=[synthetic_responses],
+    group_name="hidden_states",
+    kinds={"pytorch", "safetensors"},
+    description=(
+        "For every ok response of the partition: the training conversation rendered with the verifier's "
+        "chat template (loss mask on assistant tokens), run through the verifier, and its auxiliary hidden "
+        "states plus the last layer's output stored in speculators' offline layout. Resumable per sample."
+    ),
+    check_specs=[
+        dg.AssetCheckSpec(TOKEN_IDS, asset="hidden_states", description="Stored token_ids equal input_ids."),
+        dg.AssetCheckSpec(FINITE, asset="hidden_states", description="No NaN or Inf in any stored tensor."),
+        dg.AssetCheckSpec(ONE_PER_OK, asset="hidden_states", description="One stored sample per ok response."),
+    ],
+)
+def hidden_states(
+    context: dg.AssetExecutionContext,
+    config: HiddenStatesAssetConfig,
+    data_store: DataStoreResource,
+    verifier: VerifierResource,
+):
+    from eagle3_assets import plots
+    from eagle3_assets.hidden_states import (
+        HiddenStatesConfig,
+        check_finite,
+        check_one_per_ok_response,
+        check_token_ids,
+        extract_partition,
+    )
+
+    layout = data_store.layout
+    key = context.partition_key
+    stage_config = HiddenStatesConfig(
+        layer_ids=verifier.layer_id_list(),
+        max_seq_len=config.max_seq_len,
+        dtype=config.dtype,
+        backend=config.backend,
+        device=verifier.device,
+        batch_tokens=config.batch_tokens,
+    )
+    result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
+
+    import polars as pl
+
+    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
+    yield dg.MaterializeResult(
+        metadata={
+            "dg.row_count": result.samples,
+            "stored": result.stored,
+            "skipped_existing": result.skipped_existing,
+            "failed_responses_excluded": result.failed_responses_excluded,
+            "truncated_at_max_seq_len": result.truncated,
+            "tokens": result.tokens,
+            "loss_tokens": result.loss_tokens,
+            "bytes": result.bytes,
+            "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "seconds": round(result.seconds, 1),
+            "layer_ids": dg.MetadataValue.json(result.layer_ids),
+            "hidden_size": result.hidden_size,
+            "dtype": result.dtype,
+            "path": dg.MetadataValue.path(str(result.data_dir)),
+            "notes": dg.MetadataValue.json(result.notes),
+            "sequence_length_histogram": dg.MetadataValue.md(
+                plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
+            ),
+        }
+    )
+    for name, check in (
+        (TOKEN_IDS, check_token_ids),
+        (FINITE, check_finite),
+        (ONE_PER_OK, check_one_per_ok_response),
+    ):
+        yield check_result(name, check(layout, key))
