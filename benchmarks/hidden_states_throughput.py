@@ -1,0 +1,97 @@
+"""Hidden-state extraction tokens/s against a bare transformers forward loop over the same samples, same run.
+
+    .venv/bin/python benchmarks/hidden_states_throughput.py [--samples 300] [--hidden-size 256] [--vocab-size 4096]
+
+The bare loop is what a one-off script would do: the same rendered samples, the same length-bucketed batches,
+``AutoModelForCausalLM(...)(input_ids, attention_mask, output_hidden_states=True)``, nothing kept. The
+pipeline (``extract_partition``: render, forward, capture, check, write one fsynced safetensors file per sample,
+index) must reach at least 0.9x its tokens/s. Both run with the same torch thread count. Everything is
+written under a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from eagle3_assets.hidden_states.backends import plan_batches, torch_threads
+    from eagle3_assets.hidden_states.extract import _read_ok_responses, _render_rows
+    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier, fabricate_responses
+    from eagle3_assets.storage import DataLayout
+
+    verifier = cached_tiny_verifier(num_layers=args.layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+    layer_ids = [1, 2, 3] if args.layers <= 4 else None
+    with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
+        layout = DataLayout.at(Path(tmp) / "data")
+        fabricate_responses(layout, "00000", args.samples, min_words=60, max_words=140)
+        ok, _ = _read_ok_responses(layout, "00000")
+        rows = _render_rows(ok, verifier, 2048)
+        ids = [r.input_ids for r in rows]
+        tokens = sum(len(x) for x in ids)
+        batches = plan_batches([len(x) for x in ids], args.batch_tokens)
+        model = AutoModelForCausalLM.from_pretrained(str(verifier), dtype=torch.float32, attn_implementation="sdpa")
+        model.eval()
+
+        def bare() -> float:
+            started = time.perf_counter()
+            with torch_threads(args.threads), torch.inference_mode():
+                for batch in batches:
+                    longest = max(len(ids[i]) for i in batch)
+                    input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
+                    mask = torch.zeros_like(input_ids)
+                    for row, i in enumerate(batch):
+                        input_ids[row, : len(ids[i])] = torch.tensor(ids[i])
+                        mask[row, : len(ids[i])] = 1
+                    model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+            return tokens / (time.perf_counter() - started)
+
+        def pipeline(run: int) -> float:
+            import shutil
+
+            shutil.rmtree(layout.hidden_states_dir("00000"), ignore_errors=True)
+            layout.hidden_states_index_path("00000").unlink(missing_ok=True)
+            config = HiddenStatesConfig(layer_ids=layer_ids, batch_tokens=args.batch_tokens, num_threads=args.threads)
+            result = extract_partition(layout, "00000", verifier, config, log=lambda _msg: None)
+            assert result.tokens_computed == tokens, (result.tokens_computed, tokens)
+            return result.tokens_per_s
+
+        bare()  # warm-up (allocator, kernels)
+        bare_best = pipe_best = 0.0
+        for run in range(args.repeats):
+            bare_best = max(bare_best, bare())
+            pipe_best = max(pipe_best, pipeline(run))
+
+    ratio = pipe_best / bare_best
+    print(
+        f"samples {len(ids)}, tokens {tokens:,}, batches {len(batches)}, hidden {args.hidden_size}, "
+        f"threads {args.threads or 'default'}"
+    )
+    print(f"{'bare transformers forward':<32}{bare_best:>12,.0f} tok/s")
+    print(f"{'extract_partition (hf backend)':<32}{pipe_best:>12,.0f} tok/s")
+    print(f"ratio extraction / bare forward: {ratio:.3f} (target >= 0.9) {'OK' if ratio >= 0.9 else 'BELOW TARGET'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
