@@ -27,6 +27,12 @@ DEMO_ENV = {
     "EAGLE3_LAYER_IDS": "1,2,3",
 }
 
+# Per-asset run config for the demo: training sized to a few CPU minutes (see docs/local_vllm.md for what
+# a longer run buys on the tiny verifier).
+DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
+    "draft_model": {"epochs": 2, "max_steps_per_epoch": 60, "tokens_per_batch": 1024, "lr": 3e-3},
+}
+
 
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
     width = max(len(name) for name, _, _ in rows)
@@ -83,8 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             node = graph.get(key)
             name = key.to_user_string()
             started = time.monotonic()
+            run_config = {"ops": {name: {"config": DEMO_ASSET_CONFIG[name]}}} if name in DEMO_ASSET_CONFIG else None
             if node.partitions_def is None:
-                result = dg.materialize(assets, selection=[key], instance=instance, resources=defs.resources)
+                result = dg.materialize(
+                    assets, selection=[key], instance=instance, resources=defs.resources, run_config=run_config
+                )
                 partitions = "-"
                 ok = result.success
             else:
