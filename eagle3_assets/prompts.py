@@ -167,6 +167,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, bytes | None, str | None
     """(line number, decoded row, raw line, decode error) for each non-blank line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one) is not part of the first row
             if not raw.strip():
                 continue
             try:

@@ -120,12 +120,46 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _raise_if_disk_full(error: OSError, path: Path, needed_bytes: int | None) -> None:
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove temporary files of ``path`` left by writers that were killed mid-write (their pid is gone).
+
+    A live writer's file is kept (another process may be writing it); a reused pid only keeps a stale file longer.
+    """
+    prefix = f".{path.name}.tmp-"
+    with contextlib.suppress(OSError):
+        for old in path.parent.iterdir():
+            pid = old.name[len(prefix) :] if old.name.startswith(prefix) else ""
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    old.unlink()
+
+
+# Writers that wrap the OS error in their own exception (polars raises ComputeError "... No space left on device
+# (os error 28)") are recognized by the message.
+_DISK_FULL_TEXT = ("os error 28)", "os error 122)", "No space left on device", "Disk quota exceeded")
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(text in str(error) for text in _DISK_FULL_TEXT)
+
+
+def _raise_if_disk_full(error: BaseException, path: Path, needed_bytes: int | None) -> None:
+    if _is_disk_full(error) and not isinstance(error, DiskSpaceError):
         need = f" (about {needed_bytes:,} bytes needed)" if needed_bytes else ""
-        raise DiskSpaceError(
-            error.errno, f"no space left writing {path}{need}; free {free_bytes(path):,} bytes"
-        ) from error
+        code = error.errno if isinstance(error, OSError) and error.errno else errno.ENOSPC
+        raise DiskSpaceError(code, f"no space left writing {path}{need}; free {free_bytes(path):,} bytes") from error
 
 
 @contextlib.contextmanager
@@ -139,7 +173,7 @@ def atomic_path(path: Path, needed_bytes: int | None = None) -> Iterator[Path]:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as error:
+    except Exception as error:
         tmp.unlink(missing_ok=True)
         _raise_if_disk_full(error, path, needed_bytes)
         raise
@@ -149,6 +183,9 @@ def atomic_path(path: Path, needed_bytes: int | None = None) -> Iterator[Path]:
 
 
 def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
+    # Once per partition file, so the directory scan is cheap (not in atomic_path: per-sample files use that).
+    if path.parent.is_dir():
+        _remove_stale_temps(path)
     with atomic_path(path, needed_bytes=int(frame.estimated_size())) as tmp:
         frame.write_parquet(tmp, compression="zstd", statistics=True)
 
@@ -199,8 +236,11 @@ def exclusive_lock(lock_path: Path, what: str) -> Iterator[None]:
             raise PartitionBusyError(
                 f"{what} is being written by {holder}; wait for that run to finish or stop it (lock: {lock_path})"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        # Who holds the lock, for the message of a refused second writer. Best effort: on a full disk the write
+        # fails, and the lock (held by the kernel, not by the file's content) is still good.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
         yield
     finally:
         os.close(fd)

@@ -1,0 +1,157 @@
+"""Issue 8, kill anywhere (synthetic_responses): SIGKILL a partition's generation at a random point (several seeds,
+from before the first response to during the final Parquet write); after re-materialization the output equals an
+uninterrupted run's. tests/test_generation_kill.py proves one kill point with exact request accounting; this adds
+the random points."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from test_reliability_common import child_env, journal_lines
+
+from eagle3_assets.fake_vllm import FakeConfig, FakeServerProcess
+from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
+from eagle3_assets.generation.journal import read_journal
+from eagle3_assets.storage import DataLayout
+
+KEY = "00007"
+N = 120
+SEEDS = [3, 11, 37]  # kill after 120 (all journaled: the final write), 111 and 0 journaled samples
+COMPARED = [
+    "sample_id",
+    "messages",
+    "reasoning",
+    "content",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "status",
+    "model",
+    "sampling_params",
+    "error",
+]
+
+CHILD = textwrap.dedent(
+    f"""
+    import sys
+    from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
+    from eagle3_assets.storage import DataLayout
+
+    url, root = sys.argv[1], sys.argv[2]
+    prompts = [PromptToGenerate(f"anywhere-{{i:04d}}", [{{"role": "user", "content": f"kill anywhere {{i}}"}}])
+               for i in range({N})]
+    config = GenerationConfig(base_urls=[url], model="fake-model", concurrency=16, max_tokens=4000,
+                              fsync_interval_s=0.1, progress_interval_s=0.5)
+    print("START", flush=True)
+    generate_partition(prompts, "{KEY}", DataLayout.at(root), config, log=lambda m: None)
+    print("DONE", flush=True)
+    """
+)
+
+
+def make_prompts() -> list[PromptToGenerate]:
+    return [
+        PromptToGenerate(f"anywhere-{i:04d}", [{"role": "user", "content": f"kill anywhere {i}"}]) for i in range(N)
+    ]
+
+
+def config(url: str) -> GenerationConfig:
+    return GenerationConfig(base_urls=[url], model="fake-model", concurrency=16, max_tokens=4000)
+
+
+@pytest.fixture(scope="module")
+def server() -> FakeServerProcess:
+    with FakeServerProcess(FakeConfig(token_rate=3000, median_tokens=150, sigma=0.8)) as running:
+        yield running  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def reference(server: FakeServerProcess, tmp_path_factory: pytest.TempPathFactory) -> pl.DataFrame:
+    layout = DataLayout.at(tmp_path_factory.mktemp("reference") / "data")
+    generate_partition(make_prompts(), KEY, layout, config(server.base_url), log=lambda _m: None)
+    return pl.read_parquet(layout.responses_path(KEY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sigkill_at_a_random_point_then_resume_equals_an_uninterrupted_run(
+    seed: int, server: FakeServerProcess, reference: pl.DataFrame, tmp_path: Path
+) -> None:
+    rng = random.Random(seed)
+    # the kill point: after 0..N journaled samples (N: during the Parquet write or just after), plus a jitter
+    threshold = rng.choice([0, N, rng.randint(1, N - 1), rng.randint(1, N - 1)])
+    jitter = rng.uniform(0, 0.05)
+    layout = DataLayout.at(tmp_path / "data")
+    journal = layout.responses_in_progress_path(KEY)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    child = subprocess.Popen(
+        [sys.executable, str(script), server.base_url, str(layout.root)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "START"
+        deadline = time.monotonic() + 60
+        while journal_lines(journal) < threshold and child.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(jitter)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+    before = read_journal(journal)
+    assert before.corrupt_lines == 0 and before.lines == len(before.records)  # no duplicate, no mangled line
+    finished_before = dict(before.records)
+    if layout.responses_path(KEY).exists():  # the kill came after the rename
+        done = pl.read_parquet(layout.responses_path(KEY))
+        assert done.height == N  # a finished file is always whole
+        finished_before.update({row["sample_id"]: row for row in done.iter_rows(named=True)})
+
+    result = generate_partition(make_prompts(), KEY, layout, config(server.base_url), log=lambda _m: None)
+    assert (result.total, result.ok, result.failed) == (N, N, 0)
+    assert result.resumed == len(finished_before) and result.requested == N - len(finished_before)
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.select(COMPARED).equals(reference.select(COMPARED)), f"seed {seed}, threshold {threshold}"
+    for row in frame.filter(pl.col("sample_id").is_in(list(finished_before))).iter_rows(named=True):
+        assert row["finished_at"] == finished_before[row["sample_id"]]["finished_at"]  # kept, not regenerated
+    assert list(layout.partition_files("synthetic_responses")) == [KEY]
+    assert not list(layout.asset_dir("synthetic_responses").glob(".*.tmp-*"))  # no leftover of a killed write
+    assert not journal.exists()
+
+
+def test_temporary_file_of_a_writer_killed_mid_write_is_removed_by_the_next_write(tmp_path: Path) -> None:
+    """A SIGKILL during the final Parquet write leaves `.{key}.parquet.tmp-{pid}`; it never counts as a partition
+    (the glob is `*.parquet`) and the next write of that file removes it. A live writer's temporary file is kept."""
+    from eagle3_assets import storage
+
+    layout = DataLayout.at(tmp_path / "data")
+    target = layout.responses_path(KEY)
+    target.parent.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = target.with_name(f".{target.name}.tmp-{dead.pid}")
+    stale.write_bytes(b"PAR1 half a file")
+    live = target.with_name(f".{target.name}.tmp-1")  # pid 1 is alive
+    live.write_bytes(b"PAR1 being written")
+    assert layout.partition_files("synthetic_responses") == {}
+    storage.write_parquet_atomic(pl.DataFrame({"sample_id": ["a"]}), target)
+    assert not stale.exists() and live.exists()
+    assert list(layout.partition_files("synthetic_responses")) == [KEY]
