@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle3_assets.defs import draft, hidden_states, prompts, responses
+from eagle3_assets.defs import draft, evaluation, hidden_states, prompts, responses
 from eagle3_assets.defs.resources import default_resources
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    modules = [prompts, responses, hidden_states, draft]
+    modules = [prompts, responses, hidden_states, draft, evaluation]
     return dg.Definitions(
         assets=dg.load_assets_from_modules(modules),
         asset_checks=dg.load_asset_checks_from_modules(modules),

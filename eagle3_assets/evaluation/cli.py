@@ -1,0 +1,90 @@
+"""``eagle3 evaluate``: evaluate a draft (e.g. one trained elsewhere) online in vLLM and offline, print the table.
+
+    eagle3 evaluate --draft DIR [--verifier DIR] [--data-dir DIR] [--k 3] [--prompts 32] [--offline-only]
+
+The report (report.json, report.md) goes to ``DATA_DIR/draft_evaluation/`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle3 evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--draft", required=True, type=Path, help="speculators EAGLE-3 draft folder (config.json)")
+    p.add_argument("--verifier", type=Path, default=None, help="verifier folder (default: the one the draft names)")
+    p.add_argument("--data-dir", default=None, help="data directory (default: EAGLE3_DATA_DIR)")
+    p.add_argument("--partition", default=None, help="held-out partition (default: the last hidden_states one)")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts sent online (default 32)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--offline-only", action="store_true", help="no vLLM: simulate from stored hidden states only")
+    p.add_argument("--online-only", action="store_true", help="skip the offline simulation")
+    p.add_argument("--no-untrained", action="store_true", help="skip the untrained-draft baseline")
+    p.add_argument("--max-samples", type=int, default=256, help="stored samples simulated offline (0: all)")
+    p.add_argument("--plain-url", default=None, help="running server with the plain verifier (http://h:p/v1)")
+    p.add_argument("--draft-url", default=None, help="running server with the verifier + this draft")
+    p.add_argument("--served-model-name", default=None, help="model id on those servers")
+    p.add_argument("--vllm-python", type=Path, default=None, help="vLLM interpreter for local servers")
+    p.add_argument("--out", type=Path, default=None, help="report folder (default DATA_DIR/draft_evaluation)")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import json
+
+    from eagle3_assets import settings
+    from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.report import write_report
+    from eagle3_assets.storage import DataLayout
+
+    if args.offline_only and args.online_only:
+        print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)
+        return 2
+    layout = DataLayout.at(args.data_dir or settings.read_env("EAGLE3_DATA_DIR"))
+    options = EvaluationOptions(
+        k=args.k,
+        online=not args.offline_only,
+        offline=not args.online_only,
+        untrained=not args.no_untrained,
+        partition=args.partition,
+        offline_max_samples=args.max_samples or None,
+        online_config=OnlineConfig(
+            prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            python=args.vllm_python,
+            plain_url=args.plain_url,
+            draft_url=args.draft_url,
+            served_model_name=args.served_model_name,
+            log_dir=layout.evaluation_dir / "_logs",
+        ),
+    )
+    try:
+        report = run_evaluation(
+            layout,
+            args.draft,
+            args.verifier,
+            options,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+            write=args.out is None,
+        )
+    except (FileNotFoundError, ValueError) as error:
+        print(f"eagle3 evaluate: {error}", file=sys.stderr)
+        return 1
+    if args.out is not None:
+        write_report(report, args.out)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

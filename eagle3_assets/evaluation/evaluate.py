@@ -1,0 +1,132 @@
+"""One evaluation run: offline and (optionally) online acceptance of a draft and its untrained twin, one report.
+
+Shared by the ``draft_evaluation`` asset and ``eagle3 evaluate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3_assets.evaluation.online import OnlineConfig
+from eagle3_assets.evaluation.report import EvaluationReport, OnlineRun, write_report
+from eagle3_assets.storage import DataLayout
+
+logger = logging.getLogger(__name__)
+
+UNTRAINED_DIR = "untrained_draft"
+# |online - offline| mean acceptance length the report calls agreement. Offline simulates exactly the greedy-
+# consistent windows of the stored data; the remaining gap comes from the other positions (sequence ends, windows
+# crossing a re-tokenization difference), other prompts (online uses the first N held-out prompts, offline the
+# stored samples) and float32 vs stored-dtype hidden states.
+DEFAULT_TOLERANCE = 0.3
+
+
+@dataclass
+class EvaluationOptions:
+    k: int = 3
+    online: bool = True
+    offline: bool = True
+    untrained: bool = True
+    partition: str | None = None  # held-out hidden_states / raw_prompts partition; default: the last one
+    offline_max_samples: int | None = None
+    untrained_seed: int = 0
+    tolerance: float = DEFAULT_TOLERANCE
+    online_config: OnlineConfig = field(default_factory=OnlineConfig)
+
+
+def held_out_partition(layout: DataLayout, requested: str | None) -> str | None:
+    """The requested partition, else the draft_model asset's default hold-out: the last hidden_states partition."""
+    if requested:
+        return requested
+    keys = sorted(layout.partition_files("hidden_states"))
+    return keys[-1] if keys else None
+
+
+def run_evaluation(
+    layout: DataLayout,
+    draft_dir: Path,
+    verifier: Path | None = None,
+    options: EvaluationOptions | None = None,
+    log: Callable[[str], None] | None = None,
+    write: bool = True,
+) -> EvaluationReport:
+    from eagle3_assets.evaluation.offline import draft_verifier_path, evaluate_offline, load_draft, save_untrained_draft
+
+    options = options or EvaluationOptions()
+    say = log or logger.info
+    draft_dir = Path(draft_dir).expanduser().resolve()
+    if not (draft_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no speculators draft at {draft_dir} (config.json missing): train draft_model first")
+    if options.k <= 0:
+        raise ValueError(f"k={options.k}: must be a positive integer")
+    partition = held_out_partition(layout, options.partition)
+    notes: list[str] = []
+
+    trained = load_draft(draft_dir, verifier)
+    verifier_path = Path(verifier).expanduser().resolve() if verifier is not None else draft_verifier_path(trained)
+    models = {"trained": trained}
+    untrained_dir = layout.evaluation_dir / UNTRAINED_DIR
+    if options.untrained:
+        from eagle3_assets.evaluation.offline import build_untrained_like
+
+        models["untrained"] = build_untrained_like(trained, options.untrained_seed)
+        if options.online:
+            save_untrained_draft(trained, untrained_dir, options.untrained_seed)
+
+    stats = []
+    if options.offline:
+        if partition is None or not layout.hidden_states_index_path(partition).exists():
+            notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
+        else:
+            stats += evaluate_offline(
+                models, layout, partition, options.k, verifier_path, options.offline_max_samples, say
+            )
+    online_run = None
+    if options.online:
+        from eagle3_assets.evaluation.online import evaluate_online, held_out_prompts
+
+        if partition is None:
+            raise ValueError("online evaluation needs a held-out partition: pass one (no hidden_states partitions)")
+        cfg = options.online_config
+        cfg.k = options.k
+        prompts = held_out_prompts(layout, partition, cfg.prompts)
+        drafts = {"trained": draft_dir}
+        if options.untrained:
+            drafts["untrained"] = untrained_dir
+        result = evaluate_online(verifier_path, drafts, prompts, cfg, say)
+        stats += result.stats
+        online_run = OnlineRun(
+            prompts=len(prompts),
+            max_tokens=cfg.max_tokens,
+            baseline_output_tokens=result.baseline.output_tokens,
+            baseline_seconds=result.baseline.seconds,
+            mismatches=result.mismatches,
+            server_startup_s=result.startup_s,
+        )
+    order = {"offline": 1, "online": 0}
+    stats.sort(key=lambda s: (s.label != "trained", order.get(s.method, 2)))
+    for s in stats:
+        if s.method == "offline" and "coverage" in s.extra:
+            notes.append(
+                f"offline ({s.label}): {s.extra['samples']} stored samples, {s.extra['coverage']:.1%} of assistant "
+                f"anchors greedy-consistent; every-position mean acceptance length "
+                f"{s.extra['every_position_mean_acceptance_length']:.3f}"
+            )
+            break
+    report = EvaluationReport(
+        draft_dir=str(draft_dir),
+        verifier=str(verifier_path),
+        k=options.k,
+        held_out_partition=partition,
+        stats=stats,
+        online=online_run,
+        tolerance=options.tolerance,
+        notes=notes,
+    )
+    if write:
+        json_path, md_path = write_report(report, layout)
+        say(f"evaluation report: {json_path} and {md_path}")
+    return report

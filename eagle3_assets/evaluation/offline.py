@@ -1,0 +1,315 @@
+"""Offline acceptance: vLLM's greedy EAGLE-3 decode simulated from the stored hidden states of a partition.
+
+For every sample the draft runs speculators' own ``Eagle3DraftModel.forward`` (its TTT rollout, k steps, no loss):
+step 0 consumes the verifier's aux hidden states of the context and the next token, steps 1..k-1 its own hidden
+states, attending to the context's step-0 keys and its own earlier steps at the same anchor: exactly the KV cache
+vLLM's EAGLE-3 proposer has. speculators feeds the *stored* next tokens into steps >= 1 (teacher forcing); that
+changes nothing here, because a proposal at step j only counts when proposals 0..j-1 matched, i.e. when they *were*
+the stored tokens.
+
+Proposals (draft vocabulary, mapped to target ids with d2t) are compared with the verifier's own greedy next
+tokens, ``argmax(lm_head(norm(last hidden state)))`` over the *full* target vocabulary (the verifier's weights, not
+the draft's pruned head). An anchor is simulated only where the stored tokens are the verifier's greedy
+continuation for the whole window (the first token and the k targets), and all of them are assistant tokens: there
+the stored context is exactly what vLLM's greedy decode would have, so the simulation is exact. The share of
+anchors that qualify is reported (``coverage``): with temperature-0 responses it is high; with sampled ones the
+figure covers the greedy-consistent part only.
+
+Two weightings are reported, both with vLLM's definitions (see report.py):
+
+* ``walk`` (the headline, ``AcceptanceStats``): the decode trajectory vLLM follows, one draft at the first
+  assistant position, then the next draft after the accepted tokens and the bonus token (anchor += accepted + 1);
+* ``every position``: one draft at every qualifying anchor (in ``extra``), which has no trajectory weighting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle3_assets.evaluation.report import AcceptanceStats
+from eagle3_assets.storage import DataLayout
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+UNTRAINED_SEED = 0
+
+
+@dataclass
+class SampleOutcome:
+    """Per-anchor accepted counts of one sample (-1: anchor not simulated)."""
+
+    accepted: list[int]
+
+
+def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa") -> Any:
+    """A saved speculators EAGLE-3 draft, with CPU-friendly attention (the saved config defaults to flex)."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = attn_impl
+    if verifier is not None:
+        # a draft trained elsewhere names a verifier path of that machine: point it at ours
+        config.speculators_config.verifier.name_or_path = str(Path(verifier).expanduser().resolve())
+    model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
+    model.eval()
+    return model
+
+
+def draft_verifier_path(model: Any) -> Path:
+    return Path(model.config.speculators_config.verifier.name_or_path)
+
+
+def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED) -> Any:
+    """A freshly initialized draft of the same shape (layers, vocab mapping, aux layers, norms), seeded."""
+    import torch
+
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    cfg = model.config
+    train_cfg = TrainConfig(
+        num_layers=int(cfg.transformer_layer_config.num_hidden_layers),
+        ttt_steps=max(1, _saved_k(model)),
+        norm_before_residual=bool(cfg.norm_before_residual),
+        norm_before_fc=bool(cfg.norm_before_fc),
+        norm_output=bool(cfg.norm_output),
+        draft_attn_impl="sdpa",
+        seed=seed,
+    )
+    mapping = None
+    if model.d2t is not None and model.t2d is not None and int(model.draft_vocab_size) != int(model.t2d.shape[0]):
+        mapping = (model.d2t.detach().clone(), model.t2d.detach().clone())
+    # seeded without disturbing the caller's RNG stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        untrained = build_draft(draft_verifier_path(model), list(model.target_layer_ids), train_cfg, mapping)
+    untrained.eval()
+    return untrained
+
+
+def _saved_k(model: Any) -> int:
+    try:
+        return int(model.config.speculators_config.proposal_methods[0].speculative_tokens)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return 3
+
+
+def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED) -> Path:
+    """Build the seeded untrained twin of ``model`` and save it in speculators' format (for vLLM)."""
+    import os
+    import shutil
+
+    untrained = build_untrained_like(model, seed)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    untrained.save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+class VerifierHead:
+    """The verifier's final norm + full-vocabulary LM head: its greedy next token from a stored last hidden state."""
+
+    def __init__(self, verifier_path: str | Path) -> None:
+        import torch
+        from speculators.utils.loading import load_model_layers
+        from transformers import AutoConfig
+
+        path = str(verifier_path)
+        config = AutoConfig.from_pretrained(path)
+        config = getattr(config, "text_config", config)
+        weights = load_model_layers(["embed_tokens.weight", "lm_head.weight", "model.norm.weight"], path)
+        head = weights.get("lm_head.weight", weights["embed_tokens.weight"])
+        self.lm_head = head.float()
+        self.norm_weight = weights["model.norm.weight"].float()
+        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self._torch = torch
+
+    def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        torch = self._torch
+        x = last_hidden.float()
+        # Llama RMSNorm, as the verifier applies it before its LM head
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return (x @ self.lm_head.T).argmax(-1)
+
+
+def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None = None) -> Any:
+    """(sample_id, input_ids [T], loss_mask [T], hidden_states [T, n_aux+1, H]) of a stored partition."""
+    import polars as pl
+    import torch
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    data_dir = layout.hidden_states_dir(partition_key)
+    index_path = layout.hidden_states_index_path(partition_key)
+    if not index_path.exists():
+        raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
+    index = pl.read_parquet(index_path).sort("row")
+    dataset = load_from_disk(str(data_dir))
+    for n, rec in enumerate(index.iter_rows(named=True)):
+        if max_samples is not None and n >= max_samples:
+            break
+        row = dataset[int(rec["row"])]
+        tensors = load_file(str(data_dir / rec["file"]))
+        input_ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        loss_mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)
+        yield str(rec["sample_id"]), input_ids, loss_mask, tensors["hidden_states"]
+
+
+def anchor_acceptance(
+    proposals: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> list[int]:
+    """Accepted prefix length per anchor, -1 where the anchor is not simulated.
+
+    ``proposals`` [k, T-1] target ids: proposal j at column c guesses token c+2+j. ``greedy`` [T]: the verifier's
+    next token after token s. Column c qualifies when tokens c+1 .. c+1+k are assistant tokens equal to the
+    verifier's greedy continuation (greedy[c] .. greedy[c+k]).
+    """
+    import torch
+
+    k, cols = proposals.shape
+    t = int(input_ids.shape[0])
+    out = torch.full((cols,), -1, dtype=torch.long)
+    n = t - 1 - k  # columns whose whole window (tokens c+1 .. c+1+k) lies inside the sequence
+    if n <= 0:
+        return out.tolist()
+    consistent = torch.zeros(t, dtype=torch.bool)
+    # token s+1 is greedy-consistent and an assistant token
+    consistent[1:] = (input_ids[1:] == greedy[:-1]) & (loss_mask[1:] > 0)
+    window = torch.stack([consistent[1 + i : 1 + i + n] for i in range(k + 1)]).all(0)
+    match = torch.stack([proposals[j, :n] == greedy[1 + j : 1 + j + n] for j in range(k)])
+    accepted = match.long().cumprod(0).sum(0)  # length of the matching prefix
+    out[:n] = torch.where(window, accepted, -1)
+    return out.tolist()
+
+
+def draft_proposals(model: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """[k, T-1] target-vocabulary proposals of speculators' forward on one stored sample (shift_batch alignment)."""
+    import torch
+
+    n_aux = len(model.target_layer_ids)
+    if hidden_states.shape[1] < n_aux:
+        raise ValueError(f"stored hidden states hold {hidden_states.shape[1]} layers; the draft needs {n_aux} aux")
+    t = int(input_ids.shape[0])
+    aux = hidden_states[:, :n_aux, :].reshape(t, -1).float()
+    # shift_batch: hidden state of token c pairs with token c+1; positions start at 1
+    hs = aux[:-1].unsqueeze(0)
+    ids = input_ids[1:].unsqueeze(0)
+    doc = torch.zeros_like(ids)
+    pos = torch.arange(1, t, dtype=torch.long).unsqueeze(0)
+    with torch.no_grad():
+        steps = model(hidden_states=hs, input_ids=ids, document_ids=doc, position_ids=pos, ttt_steps=k)
+    draft = torch.stack([s.squeeze(0) for s in steps])  # [k, T-1] draft-vocabulary ids
+    d2t = getattr(model, "d2t", None)
+    if d2t is not None and int(model.draft_vocab_size) != int(model.t2d.shape[0]):
+        draft = draft + d2t.to(draft.device)[draft]  # target id = i + d2t[i]
+    return draft
+
+
+def walk(accepted: Sequence[int], loss_mask: Sequence[int], k: int) -> list[int]:
+    """The anchors vLLM's greedy decode drafts at: from the first assistant token, jump accepted + 1 each draft.
+
+    Column c drafts after token c+1 was emitted; the first emitted token is the first assistant token (prefill
+    produces it). Anchors that were not simulated are stepped over one token at a time.
+    """
+    cols = len(accepted)
+    start = next((c for c in range(cols) if loss_mask[c + 1] > 0), None)
+    out: list[int] = []
+    c = start if start is not None else cols
+    while c < cols:
+        a = accepted[c]
+        if a < 0:
+            c += 1
+            continue
+        out.append(a)
+        c += a + 1
+    return out
+
+
+def _stats(label: str, k: int, accepted: Sequence[int], extra: dict[str, Any]) -> AcceptanceStats:
+    per_pos = [sum(1 for a in accepted if a > j) for j in range(k)]
+    return AcceptanceStats(
+        label=label,
+        method="offline",
+        k=k,
+        drafts=len(accepted),
+        draft_tokens=k * len(accepted),
+        accepted_tokens=int(sum(accepted)),
+        accepted_per_position=per_pos,
+        extra=extra,
+    )
+
+
+def evaluate_offline(
+    models: dict[str, Any],
+    layout: DataLayout,
+    partition_key: str,
+    k: int = 3,
+    verifier: str | Path | None = None,
+    max_samples: int | None = None,
+    log: Callable[[str], None] | None = None,
+    num_threads: int | None = None,
+) -> list[AcceptanceStats]:
+    """Offline acceptance of each draft in ``models`` (label -> loaded draft) on one hidden_states partition."""
+    import time
+
+    import torch
+
+    from eagle3_assets.hidden_states.backends import torch_threads
+
+    say = log or logger.info
+    if k <= 0:
+        raise ValueError(f"k={k}: must be a positive integer")
+    first = next(iter(models.values()))
+    head = VerifierHead(verifier if verifier is not None else draft_verifier_path(first))
+    walks: dict[str, list[int]] = {label: [] for label in models}
+    every: dict[str, list[int]] = {label: [] for label in models}
+    anchors = qualifying = samples = 0
+    started = time.perf_counter()
+    # one core left free: on a busy 2-core machine two OpenMP threads spin against vLLM and run many times slower
+    with torch_threads(num_threads):
+        for _sample_id, input_ids, loss_mask, hidden in iter_samples(layout, partition_key, max_samples):
+            if int(input_ids.shape[0]) < k + 3:
+                continue
+            samples += 1
+            greedy = head.greedy(hidden[:, -1, :])
+            anchors += int((loss_mask[1:-1] > 0).sum())
+            counted = False
+            for label, model in models.items():
+                with torch.no_grad():
+                    proposals = draft_proposals(model, hidden, input_ids, k)
+                accepted = anchor_acceptance(proposals, greedy, input_ids, loss_mask)
+                if not counted:
+                    qualifying += sum(1 for a in accepted if a >= 0)
+                    counted = True
+                every[label].extend(a for a in accepted if a >= 0)
+                walks[label].extend(walk(accepted, loss_mask.tolist(), k))
+    seconds = time.perf_counter() - started
+    coverage = qualifying / anchors if anchors else 0.0
+    say(
+        f"offline evaluation on partition {partition_key}: {samples} samples, {qualifying}/{anchors} assistant "
+        f"anchors greedy-consistent ({coverage:.1%}), {seconds:.1f} s"
+    )
+    out = []
+    for label in models:
+        every_stats = _stats(label, k, every[label], {})
+        extra = {
+            "partition": partition_key,
+            "samples": samples,
+            "weighting": "decode walk",
+            "coverage": coverage,
+            "every_position_mean_acceptance_length": every_stats.mean_acceptance_length,
+            "every_position_acceptance_rate": every_stats.acceptance_rate_per_position,
+            "every_position_anchors": every_stats.drafts,
+            "seconds": seconds,
+        }
+        out.append(_stats(label, k, walks[label], extra))
+    return out

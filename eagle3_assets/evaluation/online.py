@@ -1,0 +1,252 @@
+"""Online acceptance: the draft in vLLM's EAGLE-3 speculative decoding, read from the server's spec-decode counters.
+
+The same held-out prompts go, at temperature 0, to the plain verifier and to the verifier with each draft
+(``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), one server at a
+time so their tokens/s are measured on an otherwise identical machine. Counters are read from ``/metrics`` before
+and after (a server that was already running, or is shared, keeps its history out of the figures). Greedy outputs
+with a draft must equal the plain verifier's token for token: speculative decoding is lossless at temperature 0, so
+any difference is a bug (in the draft's config, the engine, or the comparison) and is reported per prompt.
+
+Requests go out ``concurrency`` at a time (default 1: speculative decoding pays off when decoding is latency-bound,
+and one sequence at a time makes tokens/s comparable between runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.evaluation.report import AcceptanceStats
+from eagle3_assets.storage import DataLayout
+
+logger = logging.getLogger(__name__)
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    sample_id: str
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class Generation:
+    sample_id: str
+    token_ids: list[int] | None
+    text: str  # reasoning + "\x00" + content: the comparison falls back on it without token ids
+    completion_tokens: int
+    finish_reason: str | None
+
+
+@dataclass
+class GenerationRun:
+    generations: list[Generation]
+    seconds: float
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(g.completion_tokens for g in self.generations)
+
+
+@dataclass
+class OnlineConfig:
+    k: int = 3
+    prompts: int = 32
+    max_tokens: int = 128
+    concurrency: int = 1
+    max_model_len: int = 1024
+    request_timeout_s: float = 600.0
+    python: Path | None = None  # the vLLM interpreter (default: $EAGLE3_VLLM_PYTHON or .venv-vllm)
+    log_dir: Path | None = None
+    # servers already running (e.g. a GPU box): the plain verifier, and a verifier serving the trained draft
+    plain_url: str | None = None
+    draft_url: str | None = None
+    served_model_name: str | None = None  # model id on those servers; default: the verifier folder's name
+
+
+def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Prompt]:
+    """The first ``n`` prompts of the held-out partition of raw_prompts (in dataset order)."""
+    import polars as pl
+
+    if not layout.prompts_path.exists():
+        raise FileNotFoundError(f"no raw_prompts at {layout.prompts_path}: materialize raw_prompts first")
+    from eagle3_assets.generation.records import normalize_messages
+
+    frame = (
+        pl.scan_parquet(layout.prompts_path)
+        .filter(pl.col("partition_key") == partition_key)
+        .sort("position")
+        .head(n)
+        .select("sample_id", "messages")
+        .collect()
+    )
+    if frame.height == 0:
+        raise ValueError(f"raw_prompts has no prompt in partition {partition_key}")
+    return [Prompt(str(r["sample_id"]), normalize_messages(r["messages"])) for r in frame.iter_rows(named=True)]
+
+
+def read_counters(base_url: str, k: int) -> dict[str, Any]:
+    from eagle3_assets.local.vllm_server import metric_total, read_metrics
+
+    text = read_metrics(base_url)
+    return {
+        "drafts": metric_total(text, DRAFTS),
+        "draft_tokens": metric_total(text, DRAFT_TOKENS),
+        "accepted": metric_total(text, ACCEPTED),
+        "per_position": [metric_total(text, ACCEPTED_PER_POS, {"position": str(j)}) for j in range(k)],
+    }
+
+
+def counter_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "drafts": round(after["drafts"] - before["drafts"]),
+        "draft_tokens": round(after["draft_tokens"] - before["draft_tokens"]),
+        "accepted": round(after["accepted"] - before["accepted"]),
+        "per_position": [round(a - b) for a, b in zip(after["per_position"], before["per_position"], strict=True)],
+    }
+
+
+def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
+    """Greedy completions of every prompt, ``concurrency`` at a time; wall time of the whole batch."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="local", timeout=config.request_timeout_s, max_retries=0)
+
+    def one(prompt: Prompt) -> Generation:
+        response = client.chat.completions.create(
+            model=model,
+            messages=prompt.messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=config.max_tokens,
+            extra_body={"return_token_ids": True},
+        )
+        choice = response.choices[0]
+        extra = choice.model_extra or {}
+        token_ids = extra.get("token_ids")
+        message = choice.message
+        reasoning = getattr(message, "reasoning", None) or (message.model_extra or {}).get("reasoning") or ""
+        usage = response.usage
+        return Generation(
+            sample_id=prompt.sample_id,
+            token_ids=list(token_ids) if token_ids is not None else None,
+            text=f"{reasoning}\x00{message.content or ''}",
+            completion_tokens=int(usage.completion_tokens) if usage else len(token_ids or []),
+            finish_reason=choice.finish_reason,
+        )
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, config.concurrency)) as pool:
+        generations = list(pool.map(one, prompts))
+    return GenerationRun(generations, time.perf_counter() - started)
+
+
+def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> list[str]:
+    """Sample ids whose greedy output differs (token ids when both have them, else the text)."""
+    bad = []
+    for a, b in zip(reference, other, strict=True):
+        same = a.token_ids == b.token_ids if a.token_ids is not None and b.token_ids is not None else a.text == b.text
+        if not same:
+            bad.append(a.sample_id)
+    return bad
+
+
+def _measure(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
+    before = read_counters(base_url, config.k)
+    run = generate(base_url, model, prompts, config)
+    run.counters = counter_delta(before, read_counters(base_url, config.k))
+    return run
+
+
+def _stats(label: str, k: int, run: GenerationRun) -> AcceptanceStats:
+    c = run.counters
+    return AcceptanceStats(
+        label=label,
+        method="online",
+        k=k,
+        drafts=c["drafts"],
+        draft_tokens=c["draft_tokens"],
+        accepted_tokens=c["accepted"],
+        accepted_per_position=list(c["per_position"]),
+        output_tokens=run.output_tokens,
+        seconds=run.seconds,
+        extra={"truncated": sum(1 for g in run.generations if g.finish_reason == "length")},
+    )
+
+
+def _local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | None) -> Any:
+    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
+
+    spec = None
+    if draft is not None:
+        spec = {"method": "eagle3", "model": str(Path(draft).resolve()), "num_speculative_tokens": config.k}
+    return LocalVLLMServer(
+        VLLMServerConfig(
+            model=verifier,
+            served_model_name=name,
+            port=find_free_port(),
+            python=config.python,
+            max_model_len=config.max_model_len,
+            speculative_config=spec,
+            log_dir=config.log_dir,
+        )
+    )
+
+
+@dataclass
+class OnlineResult:
+    stats: list[AcceptanceStats]
+    baseline: GenerationRun
+    mismatches: dict[str, list[str]]
+    startup_s: dict[str, float]
+
+
+def evaluate_online(
+    verifier: Path,
+    drafts: Mapping[str, Path],
+    prompts: Sequence[Prompt],
+    config: OnlineConfig,
+    log: Callable[[str], None] | None = None,
+) -> OnlineResult:
+    """Plain verifier, then the verifier with each draft (label -> speculators draft folder), on the same prompts.
+
+    With ``config.plain_url`` / ``config.draft_url`` set, those servers are used (the trained draft is the first
+    label); every other one is started locally and stopped after its batch.
+    """
+    say = log or logger.info
+    name = config.served_model_name or Path(verifier).name
+    startup: dict[str, float] = {}
+
+    def run_on(label: str, draft: Path | None, url: str | None) -> GenerationRun:
+        if url is not None:
+            say(f"online [{label}]: using the server at {url}")
+            return _measure(url, name, prompts, config)
+        say(f"online [{label}]: starting vLLM on {verifier}" + (f" with draft {draft}" if draft else ""))
+        with _local_server(verifier, config, name, draft) as server:
+            startup[label] = round(float(server.startup_s or 0.0), 1)
+            say(f"online [{label}]: ready in {startup[label]:.0f} s; generating {len(prompts)} prompts")
+            return _measure(server.base_url, name, prompts, config)
+
+    baseline = run_on("plain", None, config.plain_url)
+    say(f"online [plain]: {baseline.output_tokens} tokens in {baseline.seconds:.1f} s")
+    stats: list[AcceptanceStats] = []
+    mismatches: dict[str, list[str]] = {}
+    for i, (label, draft) in enumerate(drafts.items()):
+        run = run_on(label, Path(draft), config.draft_url if i == 0 else None)
+        s = _stats(label, config.k, run)
+        mismatches[label] = mismatched(baseline.generations, run.generations)
+        say(
+            f"online [{label}]: mean acceptance length {s.mean_acceptance_length:.3f} over {s.drafts} drafts, "
+            f"{run.output_tokens} tokens in {run.seconds:.1f} s, {len(mismatches[label])} greedy mismatches"
+        )
+        stats.append(s)
+    return OnlineResult(stats=stats, baseline=baseline, mismatches=mismatches, startup_s=startup)
