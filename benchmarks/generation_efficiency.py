@@ -66,18 +66,35 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_engine(prompts: list[PromptToGenerate], base_url: str, args: argparse.Namespace, data_dir: Path,
-               transport: str = "openai", log: Callable[[str], None] = lambda _m: None) -> dict[str, float]:
+def run_engine(
+    prompts: list[PromptToGenerate],
+    base_url: str,
+    args: argparse.Namespace,
+    data_dir: Path,
+    transport: str = "openai",
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict[str, float]:
     config = GenerationConfig(
-        base_urls=[base_url], model="fake-model", concurrency=args.concurrency, max_tokens=args.max_tokens,
-        stream=args.stream, idle_timeout_s=60, request_timeout_s=600, progress_interval_s=1e9, transport=transport,
+        base_urls=[base_url],
+        model="fake-model",
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        stream=args.stream,
+        idle_timeout_s=60,
+        request_timeout_s=600,
+        progress_interval_s=1e9,
+        transport=transport,
     )
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     result = generate_partition(prompts, "00000", DataLayout.at(data_dir), config, log=log)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     assert result.ok == len(prompts), result
-    return {"wall_s": wall, "pool_s": result.pool_s, "cpu_ms_per_request": 1000 * cpu / len(prompts),
-            "completion_tokens": result.completion_tokens}
+    return {
+        "wall_s": wall,
+        "pool_s": result.pool_s,
+        "cpu_ms_per_request": 1000 * cpu / len(prompts),
+        "completion_tokens": result.completion_tokens,
+    }
 
 
 async def _batch_then_gather(prompts: list[PromptToGenerate], base_url: str, args: argparse.Namespace) -> float:
@@ -87,11 +104,16 @@ async def _batch_then_gather(prompts: list[PromptToGenerate], base_url: str, arg
     t0 = time.perf_counter()
     for i in range(0, len(prompts), args.concurrency):
         batch = prompts[i : i + args.concurrency]
-        await asyncio.gather(*[
-            client.chat.completions.create(model="fake-model", messages=p.messages,  # type: ignore[arg-type]
-                                           max_tokens=args.max_tokens)
-            for p in batch
-        ])
+        await asyncio.gather(
+            *[
+                client.chat.completions.create(
+                    model="fake-model",
+                    messages=p.messages,  # type: ignore[arg-type]
+                    max_tokens=args.max_tokens,
+                )
+                for p in batch
+            ]
+        )
     wall = time.perf_counter() - t0
     await client.close()
     return wall
@@ -128,8 +150,16 @@ def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transpor
         run_engine(prompts, base_url, ns, Path(tmp), transport=transport, log=log)
     stop.set()
     thread.join()
-    print(json.dumps({"n": n, "base_mb": base / 2**20, "pool_growth_mb": (peak["pool"] - base) / 2**20,
-                      "peak_growth_mb": (peak["value"] - base) / 2**20}))
+    print(
+        json.dumps(
+            {
+                "n": n,
+                "base_mb": base / 2**20,
+                "pool_growth_mb": (peak["pool"] - base) / 2**20,
+                "peak_growth_mb": (peak["value"] - base) / 2**20,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -144,30 +174,45 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="engine in streaming mode")
     parser.add_argument("--stream-interval", type=float, default=0.02, help="fake server's SSE chunk interval")
     parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--transports", default="openai,aiohttp",
-                        help="engine transports to run, comma-separated (openai = openai.AsyncOpenAI)")
+    parser.add_argument(
+        "--transports",
+        default="openai,aiohttp",
+        help="engine transports to run, comma-separated (openai = openai.AsyncOpenAI)",
+    )
     parser.add_argument("--memory-sizes", default="1000,4000")
     parser.add_argument("--quick", action="store_true", help="500 requests, C=64, baseline on the same")
     parser.add_argument("--memory-child", nargs=2, metavar=("N", "URL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(int(args.memory_child[0]), args.memory_child[1], args.concurrency, args.stream,
-                     args.transports.split(",")[0])
+        memory_child(
+            int(args.memory_child[0]),
+            args.memory_child[1],
+            args.concurrency,
+            args.stream,
+            args.transports.split(",")[0],
+        )
         return
     if args.quick:
         args.requests, args.concurrency = 500, 64
 
-    fake = FakeConfig(token_rate=args.rate, median_tokens=args.median_tokens, sigma=args.sigma, seed=args.seed,
-                      stream_interval_s=args.stream_interval)
+    fake = FakeConfig(
+        token_rate=args.rate,
+        median_tokens=args.median_tokens,
+        sigma=args.sigma,
+        seed=args.seed,
+        stream_interval_s=args.stream_interval,
+    )
     prompts = make_prompts(args.requests)
     durs, lengths = durations(prompts, fake, args.max_tokens)
     c = args.concurrency
     ideal = sum(durs) / c
     ceiling = in_order_ceiling(durs, c)
     batch_ideal = batch_bound(durs, c)
-    print(f"workload: {args.requests} requests, C={c}, {args.rate:g} tok/s per sequence, lognormal median "
-          f"{args.median_tokens:g} sigma {args.sigma:g} (max {max(lengths)} tokens, sum {sum(lengths):,}), "
-          f"{'streaming' if args.stream else 'non-streaming'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"workload: {args.requests} requests, C={c}, {args.rate:g} tok/s per sequence, lognormal median "
+        f"{args.median_tokens:g} sigma {args.sigma:g} (max {max(lengths)} tokens, sum {sum(lengths):,}), "
+        f"{'streaming' if args.stream else 'non-streaming'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
 
     rows: list[tuple[str, float, str]] = [("ideal sum(d)/C", ideal, ""), ("in-order ceiling", ceiling, "")]
     verdicts = []
@@ -181,14 +226,26 @@ def main() -> None:
             server_cpu = server.cpu_seconds() - server_cpu0
             assert server.stats()["total_requests"] == args.requests
             cpu = engine["cpu_ms_per_request"]
-            rows.append((f"engine [{transport}]: request pool", engine["pool_s"],
-                         f"client CPU {cpu:.2f} ms/request (whole call), server CPU "
-                         f"{1000 * server_cpu / args.requests:.2f} ms/request"))
-            rows.append((f"engine [{transport}]: generate_partition", engine["wall_s"],
-                         "end to end: + client setup, preflight, final Parquet, cleanup"))
+            rows.append(
+                (
+                    f"engine [{transport}]: request pool",
+                    engine["pool_s"],
+                    f"client CPU {cpu:.2f} ms/request (whole call), server CPU "
+                    f"{1000 * server_cpu / args.requests:.2f} ms/request",
+                )
+            )
+            rows.append(
+                (
+                    f"engine [{transport}]: generate_partition",
+                    engine["wall_s"],
+                    "end to end: + client setup, preflight, final Parquet, cleanup",
+                )
+            )
             ratio = ceiling / engine["pool_s"]
-            verdicts.append(f"  [{transport}] {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
-                            f"{ratio:.3f} of the ceiling at {cpu:.2f} ms client CPU/request")
+            verdicts.append(
+                f"  [{transport}] {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
+                f"{ratio:.3f} of the ceiling at {cpu:.2f} ms client CPU/request"
+            )
         if not args.skip_baseline:
             server.reset_stats()
             wall = asyncio.run(_batch_then_gather(prompts, server.base_url, args))
@@ -208,17 +265,30 @@ def main() -> None:
         results = []
         with FakeServerProcess(mem_fake) as server:
             for n in sizes:
-                cmd = [sys.executable, __file__, "--concurrency", str(c), "--transports", transports[0],
-                       "--memory-child", str(n), server.base_url]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--concurrency",
+                    str(c),
+                    "--transports",
+                    transports[0],
+                    "--memory-child",
+                    str(n),
+                    server.base_url,
+                ]
                 if args.stream:
                     cmd.append("--stream")
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                 results.append(json.loads(out.strip().splitlines()[-1]))
-        print("\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
-              "assembled from the journal, so that phase holds one partition's rows by design):")
+        print(
+            "\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
+            "assembled from the journal, so that phase holds one partition's rows by design):"
+        )
         for r in results:
-            print(f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
-                  f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)")
+            print(
+                f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
+                f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)"
+            )
 
 
 if __name__ == "__main__":

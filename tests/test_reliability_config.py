@@ -168,14 +168,6 @@ UNREACHABLE_WITH_MODEL = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug in generation/engine.py preflight (the `if config.model is not None: ... starting anyway` branch): with a "
-        "model configured and no endpoint answering GET /v1/models it starts the pool anyway; every request fails, the "
-        "endpoint's bench doubles up to 300 s per probe, and a 1,000-sample partition runs for days before failing"
-    ),
-)
 def test_unreachable_server_with_a_model_configured_fails_before_the_pool(tmp_path: Path) -> None:
     script = tmp_path / "unreachable.py"
     script.write_text(UNREACHABLE_WITH_MODEL)
@@ -194,13 +186,6 @@ def test_unreachable_server_with_a_model_configured_fails_before_the_pool(tmp_pa
     assert out.startswith("ERROR") and url in out, out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "misleading message: with the default openai transport (openai.DefaultAioHttpClient) a refused connection is "
-        "raised by the SDK as APITimeoutError, so generation/client.py classify() reports 'timeout (APITimeoutError)'"
-    ),
-)
 def test_refused_connection_is_reported_as_a_connection_error(layout: DataLayout) -> None:
     with pytest.raises(RuntimeError) as raised:
         generate_partition(
@@ -239,13 +224,6 @@ def test_missing_verifier_path_names_the_key(tmp_path: Path) -> None:
         VerifierResource(path=str(tmp_path / "nowhere")).resolved_path()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "training/vocab.py build_vocab_mapping imports torch and speculators (~20 s here) before it validates "
-        "draft_vocab_size / target_vocab_size: move the two ConfigError checks above the imports"
-    ),
-)
 def test_bad_draft_vocab_size_fails_before_importing_speculators(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -155,13 +155,6 @@ def test_disk_full_writing_the_final_parquet_names_path_and_space_and_keeps_the_
     assert server.stats()["total_requests"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug in generation/journal.py Journal.append: ENOSPC from os.write escapes as a bare OSError "
-        "'[Errno 28] No space left on device' that names neither the journal path nor the free space"
-    ),
-)
 def test_disk_full_while_journaling_names_the_path_and_the_space(small_fs: SmallFs, server: FakeServerProcess) -> None:
     layout = DataLayout.at(small_fs.point / "data")
     with pytest.raises(OSError) as raised:
@@ -173,13 +166,6 @@ def test_disk_full_while_journaling_names_the_path_and_the_space(small_fs: Small
     assert str(layout.responses_in_progress_path("00001")) in message and "free" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "missing check in generation/partition.py generate_partition: no free-space check before the preflight and "
-        "the pool, so on a full disk the run starts, requests samples, and dies on the first journal write"
-    ),
-)
 def test_full_disk_is_refused_before_any_request(small_fs: SmallFs, server: FakeServerProcess) -> None:
     layout = DataLayout.at(small_fs.point / "data")
     layout.asset_dir("synthetic_responses").mkdir(parents=True)

@@ -176,14 +176,6 @@ def test_wrong_model_name_fails_new_samples_with_the_404_and_keeps_finished_ones
     assert _rows(layout).head(20).equals(done)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug in generation/endpoints.py EndpointPool.release: every failure of a request that was already in flight "
-        "when the endpoint was benched counts as a failed probe and doubles the bench, so a crash with C requests in "
-        "flight benches the endpoint for MAX_BENCH_S=300 s at once (a 5 s outage stalled a partition for 305 s)"
-    ),
-)
 def test_requests_in_flight_when_an_endpoint_is_benched_do_not_stretch_its_bench() -> None:
     from eagle3_assets.generation.endpoints import EndpointPool
 

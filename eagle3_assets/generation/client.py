@@ -45,12 +45,19 @@ class Completion:
 class RequestFailed(Exception):
     """A request that did not produce a completion. ``retryable`` says whether trying again can help."""
 
-    def __init__(self, message: str, retryable: bool, status: int | None = None, retry_after_s: float | None = None):
+    def __init__(self, message: str, retryable: bool, status: int | None = None, retry_after_s: float | None = None,
+                 kind: str | None = None):
         super().__init__(message)
         self.message = message[:_MAX_ERROR_CHARS]
         self.retryable = retryable
         self.status = status
         self.retry_after_s = retry_after_s
+        # "connection" or "timeout" when the endpoint could not be reached at all (set by classify)
+        self.kind = kind
+
+    @property
+    def unreachable(self) -> bool:
+        return self.kind in ("connection", "timeout")
 
 
 def make_client(base_url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int,
@@ -129,15 +136,42 @@ def classify(error: BaseException) -> RequestFailed:
         retryable = status in RETRYABLE_STATUS or status >= 500
         return RequestFailed(f"HTTP {status}: {_server_message(error)}", retryable, status,
                              _retry_after(error.response.headers))
+    # Before the timeout branch: the SDK's aiohttp adapter turns a refused connection into APITimeoutError,
+    # and "timeout" would send the operator looking at a slow server instead of a down one.
+    refused = _connection_cause(error)
+    if refused is not None:
+        return RequestFailed(f"connection error ({type(refused).__name__}: {refused})", True, kind="connection")
     if isinstance(error, openai.APITimeoutError | httpx2.TimeoutException | TimeoutError):
-        return RequestFailed(f"timeout ({type(error).__name__})", True)
+        return RequestFailed(f"timeout ({type(error).__name__})", True, kind="timeout")
     if isinstance(error, openai.APIConnectionError):
         cause = error.__cause__ or error.__context__
         detail = f"{type(cause).__name__}: {cause}" if cause else str(error)
-        return RequestFailed(f"connection error ({detail})", True)
+        return RequestFailed(f"connection error ({detail})", True, kind="connection")
     # httpx errors raised while reading a streamed body, socket errors, anything unexpected: a retry may help,
     # and the message ends up in the failed row if it never does.
     return RequestFailed(f"{type(error).__name__}: {error}", True)
+
+
+def _connection_cause(error: BaseException) -> BaseException | None:
+    """The first ConnectionError / aiohttp.ClientConnectorError in the ``__cause__``/``__context__`` chain
+    of ``error`` (itself included), or None. Guards against cycles in the chain."""
+    try:
+        from aiohttp import ClientConnectorError
+    except ImportError:  # pragma: no cover - depends on the environment
+        connector_errors: tuple[type[BaseException], ...] = (ConnectionError,)
+    else:
+        connector_errors = (ConnectionError, ClientConnectorError)
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, connector_errors):
+            return current
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
 
 
 def parse_completion(body: bytes) -> Completion:

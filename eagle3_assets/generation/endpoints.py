@@ -25,6 +25,10 @@ class Endpoint:
     requests: int = 0
     failures: int = 0
     benched_times: int = 0
+    # True while the one probe request of a benched endpoint is in flight (set by ``acquire``). Only a
+    # failure of that probe extends the bench; requests already in flight when the endpoint was benched
+    # fail with the same outage and must not stretch it.
+    probing: bool = False
 
     @property
     def benched(self) -> bool:
@@ -58,6 +62,8 @@ class EndpointPool:
             if self._available(endpoint, now) and (best is None or endpoint.outstanding < best.outstanding):
                 best = endpoint
         if best is not None:
+            if best.benched:
+                best.probing = True  # available while benched only as the single probe after the bench
             best.outstanding += 1
             best.requests += 1
         return best
@@ -66,6 +72,7 @@ class EndpointPool:
         """Return a slot. ``server_failure``: a retryable failure that says something about the endpoint
         (timeout, connection error, 5xx, 429, bad body); a request's own 4xx is not one."""
         endpoint.outstanding -= 1
+        was_probe, endpoint.probing = endpoint.probing, False
         if not server_failure:
             if endpoint.benched:
                 self.log(f"endpoint {display_url(endpoint.url)} answered its probe; back in rotation")
@@ -74,6 +81,9 @@ class EndpointPool:
             return
         endpoint.failures += 1
         endpoint.consecutive_failures += 1
+        if endpoint.benched and not was_probe:
+            # In flight when the endpoint was benched: part of the same outage, not a verdict on a probe.
+            return
         if endpoint.benched or endpoint.consecutive_failures >= self.bench_after_failures:
             # A failed probe doubles the bench; the first bench starts at bench_s.
             endpoint.bench_s = min(MAX_BENCH_S, endpoint.bench_s * 2) if endpoint.benched else self.bench_s

@@ -22,6 +22,7 @@ from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
 from eagle3_assets.generation.records import STATUS_FAILED, STATUS_OK, PromptToGenerate, normalize_messages
 from eagle3_assets.generation.transport import Transport
+from eagle3_assets.settings import ConfigError
 
 Log = Callable[[str], None]
 
@@ -280,6 +281,7 @@ async def preflight(transports: Mapping[str, Transport], config: GenerationConfi
     requests at once would each start one) so the pool starts at full speed.
     """
     last = "no endpoint answered"
+    all_unreachable = False
     for attempt in range(1, config.max_attempts + 1):
         results = await asyncio.gather(*[_list_models(t, config) for t in transports.values()])
         served: list[str] = []
@@ -301,11 +303,20 @@ async def preflight(transports: Mapping[str, Transport], config: GenerationConfi
             if config.model not in served:
                 log(f"warning: model {config.model!r} is not among the served models {served}")
             return config.model, unhealthy
+        all_unreachable = all(failure is not None and failure.unreachable for _, failure in results)
         if any(failure is None for _, failure in results):
             last = "GET /v1/models lists no model"
         if attempt < config.max_attempts:
             await asyncio.sleep(backoff_delay(attempt, config))
     if config.model is not None:
+        if all_unreachable:
+            # Nobody is listening: starting the pool would only fail every request, with benches growing to
+            # minutes, for hours. A wrong or missing server is a configuration problem; say so now.
+            urls = ", ".join(display_url(url) for url in transports)
+            raise ConfigError(
+                f"EAGLE3_VLLM_BASE_URL: no endpoint answered GET /v1/models after {config.max_attempts} attempts "
+                f"({urls}); is the vLLM server running? last error: {last}"
+            )
         log(f"preflight failed ({last}); starting anyway, failing requests are retried")
         return config.model, {}
     raise RuntimeError(f"could not find the served model via GET /v1/models: {last}")

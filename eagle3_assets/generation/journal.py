@@ -10,6 +10,8 @@ A process killed mid-write can leave a torn last line. :func:`read_journal` drop
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from collections.abc import Mapping
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets import storage
 from eagle3_assets.generation.records import STATUS_OK
 
 try:  # orjson is ~5x faster at dumping long strings; stdlib json is the fallback
@@ -93,6 +96,7 @@ class Journal:
         self._fd = fd
         self.appended = 0
         self._dirty = False
+        self._size = os.fstat(fd).st_size  # end of the last complete line (we hold the partition's lock)
 
     @classmethod
     def open(cls, path: Path, valid_size: int | None = None) -> Journal:
@@ -106,9 +110,24 @@ class Journal:
 
     def append(self, record: Mapping[str, Any]) -> None:
         line = _dumps(record) + b"\n"
-        written = os.write(self._fd, line)
-        while written < len(line):  # a regular file writes fully unless the disk is full; be exact anyway
-            written += os.write(self._fd, line[written:])
+        try:
+            written = os.write(self._fd, line)
+            while written < len(line):  # a regular file writes fully unless the disk is full; be exact anyway
+                written += os.write(self._fd, line[written:])
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Cut a partly written line off again so the journal ends on a complete line, then say where and
+            # how much: a bare "[Errno 28] No space left on device" names neither.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            free = storage.free_bytes(self.path)
+            raise storage.DiskSpaceError(
+                error.errno,
+                f"disk full while journaling to {self.path}: a {len(line):,}-byte line did not fit, "
+                f"{free:,} bytes free; free space and run again (journaled samples are kept and resumed)",
+            ) from error
+        self._size += len(line)
         self.appended += 1
         self._dirty = True
 

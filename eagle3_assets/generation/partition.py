@@ -141,6 +141,24 @@ def run_async(coro: Any) -> Any:
         return runner.run(coro)
 
 
+# Bytes a journal line takes beyond its prompt text even for a short answer: ids, sampling params, the
+# endpoint, token counts, timestamps, JSON punctuation (~0.5 KiB) plus a short response.
+_LINE_FLOOR_BYTES = 1024
+
+
+def _space_floor(todo: Sequence[PromptToGenerate]) -> int:
+    """A lower bound on the disk the journal of ``todo`` needs: each line repeats the prompt's messages,
+    plus :data:`_LINE_FLOOR_BYTES`.
+
+    A floor, not a forecast: it refuses only a run that cannot finish. The worst case, samples x max_tokens x
+    ~4 bytes a token, would refuse most partitions that fit (1,000 samples x 32k tokens = 128 GB of answers
+    that are usually a few KB each). If the answers turn out larger than the free space, Journal.append
+    stops the run with a DiskSpaceError naming the path, and the journaled samples resume after space is freed.
+    """
+    prompt_chars = sum(len(m.get("content") or "") + len(m.get("role") or "") for p in todo for m in p.messages)
+    return prompt_chars + len(todo) * _LINE_FLOOR_BYTES
+
+
 def generate_partition(
     prompts: Sequence[PromptToGenerate],
     partition_key: str,
@@ -184,6 +202,10 @@ def generate_partition(
         stats = EngineStats()
         model = config.model
         if todo:
+            # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
+            # the first journal write.
+            storage.ensure_free_space(journal_path.parent, _space_floor(todo),
+                                      f"synthetic_responses partition {partition_key}")
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             try:
                 stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept)))

@@ -72,17 +72,18 @@ def build_vocab_mapping(
     *,
     target_vocab_size: int,
 ) -> VocabResult:
-    import torch
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-    from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
-
+    # Cheap checks first: importing torch and speculators takes ~20 s.
     if draft_vocab_size <= 0:
         raise ConfigError(f"draft_vocab_size={draft_vocab_size!r}: must be a positive integer")
     if target_vocab_size <= 0:
         raise ConfigError(f"target_vocab_size={target_vocab_size!r}: must be a positive integer")
     if not partition_keys:
         raise ValueError("vocab_mapping needs at least one hidden_states partition")
+
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
 
     counts: Counter[int] = Counter()
     for key in partition_keys:
