@@ -30,7 +30,13 @@ DEMO_ENV = {
 # Per-asset run config for the demo: training sized to a few CPU minutes (see docs/local_vllm.md for what
 # a longer run buys on the tiny verifier).
 DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
-    "draft_model": {"epochs": 2, "max_steps_per_epoch": 60, "tokens_per_batch": 1024, "lr": 3e-3},
+    "draft_model": {
+        "epochs": 2,
+        "max_steps_per_epoch": 60,
+        "tokens_per_batch": 1024,
+        "lr": 3e-3,
+        "max_val_batches": 16,
+    },
     # Three vLLM start-ups (plain, trained draft, untrained draft) dominate; keep the generation short.
     "draft_evaluation": {"prompts": 16, "max_tokens": 96, "offline_max_samples": 64},
 }

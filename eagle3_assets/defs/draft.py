@@ -78,6 +78,7 @@ class DraftTrainingConfig(dg.Config):
     num_layers: int = 1
     val_partition: str = ""  # empty: the last hidden_states partition
     max_steps_per_epoch: int = 0  # 0: no cap
+    max_val_batches: int = 0  # validation batches per evaluation; 0: the whole held-out partition
 
 
 @dg.asset(
@@ -113,6 +114,7 @@ def draft_model(
             num_layers=config.num_layers,
             device=verifier.device,
             max_steps_per_epoch=config.max_steps_per_epoch or None,
+            max_val_batches=config.max_val_batches or None,
         ),
         log=context.log.info,
     )

@@ -71,6 +71,9 @@ class TrainConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
     save_dtype: str = "float32"  # dtype of the final weights: "float32" or "bfloat16"
     max_steps_per_epoch: int | None = None  # cap for tests and benchmarks
+    # Validation batches per evaluation (the same seeded batches every epoch); None: the whole partition.
+    # A 1,000-sample partition costs minutes per pass on a CPU, which dominates a short training run.
+    max_val_batches: int | None = None
     keep_checkpoints: int = 2
 
     def validate(self) -> None:
@@ -87,12 +90,14 @@ class TrainConfig:
             raise ConfigError(f"draft_attn_impl={self.draft_attn_impl!r}: must be sdpa or eager")
         if self.save_dtype not in {"float32", "bfloat16"}:
             raise ConfigError(f"save_dtype={self.save_dtype!r}: must be float32 or bfloat16")
+        if self.max_val_batches is not None and self.max_val_batches <= 0:
+            raise ConfigError(f"max_val_batches={self.max_val_batches!r}: must be positive or None")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch <= 0:
             raise ConfigError(f"max_steps_per_epoch={self.max_steps_per_epoch!r}: must be positive or None")
 
     def fingerprint_fields(self) -> dict[str, Any]:
         # epochs may grow between runs (train longer = resume); checkpoint bookkeeping never matters
-        ignored = {"epochs", "keep_checkpoints", "device", "num_threads"}
+        ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches"}
         return {k: v for k, v in asdict(self).items() if k not in ignored}
 
 
@@ -255,7 +260,15 @@ def train_step(
     return float(loss.detach()), metrics
 
 
-def evaluate(model: Any, loader: Any, device: torch.device, call_kwargs: dict, ttt_steps: int, autocast: Any) -> dict:
+def evaluate(
+    model: Any,
+    loader: Any,
+    device: torch.device,
+    call_kwargs: dict,
+    ttt_steps: int,
+    autocast: Any,
+    max_batches: int | None = None,
+) -> dict:
     """Validation metrics summed over all batches, then normalized (speculators' counted-metric convention)."""
     import torch
     from speculators.train.utils import normalize_counted_metrics
@@ -265,6 +278,8 @@ def evaluate(model: Any, loader: Any, device: torch.device, call_kwargs: dict, t
     batches = 0
     with torch.no_grad():
         for batch in loader:
+            if max_batches is not None and batches >= max_batches:
+                break
             with autocast():
                 _tokens, _loss, metrics = model(**_to_device(batch, device), **call_kwargs)
             for k, v in metrics.items():
@@ -485,7 +500,9 @@ def train_draft(
             resumed_from = state["epoch"]
             say(f"draft_model: resuming after epoch {resumed_from + 1} of {config.epochs}")
         else:
-            baseline = evaluate(model, val_loader, device, call_kwargs, config.ttt_steps, autocast)
+            baseline = evaluate(
+                model, val_loader, device, call_kwargs, config.ttt_steps, autocast, config.max_val_batches
+            )
             history["val_loss_untrained"] = baseline["loss"]
             history["val_accuracy_untrained"] = baseline["full_acc"]
             say(f"draft_model: untrained val loss {baseline['loss']:.4f}")
@@ -512,7 +529,7 @@ def train_draft(
                 history["tokens_trained"] += int((batch["document_ids"] != -1).sum())
                 history["loss_curve"].append({"step": history["steps"], "epoch": epoch, "loss": loss})
                 epoch_losses.append(loss)
-            val = evaluate(model, val_loader, device, call_kwargs, config.ttt_steps, autocast)
+            val = evaluate(model, val_loader, device, call_kwargs, config.ttt_steps, autocast, config.max_val_batches)
             history["train_loss"].append(float(np.mean(epoch_losses)) if epoch_losses else float("nan"))
             history["val_loss"].append(val["loss"])
             history["val_accuracy"].append(val["full_acc"])
