@@ -97,6 +97,9 @@ def webserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
                 (artifacts_dir() / "webserver.log").write_bytes(log.read_bytes())
 
 
+LOCATION = "eagle3_assets"  # the workspace's location_name
+
+
 def test_asset_graph_and_partition_metadata_render(webserver: str) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -110,12 +113,18 @@ def test_asset_graph_and_partition_metadata_render(webserver: str) -> None:
         page = context.new_page()
         page.set_default_timeout(60_000)
         try:
-            # 1. The asset graph: both groups, expanded, show their assets with kinds.
+            # 1. The asset graph: every stage's group is shown; a group's own lineage page shows its assets
+            # with kinds (the global graph collapses groups once there are several).
             page.goto(f"{webserver}/asset-groups", wait_until="networkidle")
             graph = page.locator("body")
-            for group, asset in (("prompts", "raw_prompts"), ("generation", "synthetic_responses")):
-                expand_group(page, group, asset)
-            expect(graph.get_by_text("raw_prompts", exact=True).first).to_be_visible()
+            for group in ("prompts", "generation", "hidden_states", "draft", "evaluation"):
+                expect(graph.get_by_text(group, exact=True).first).to_be_visible()
+            page.screenshot(path=str(out / "asset_graph_groups.png"))
+            page.goto(f"{webserver}/locations/{LOCATION}/asset-groups/generation/lineage", wait_until="networkidle")
+            if not page.get_by_text("synthetic_responses", exact=True).count():
+                page.goto(f"{webserver}/asset-groups", wait_until="networkidle")
+                for group, asset in (("prompts", "raw_prompts"), ("generation", "synthetic_responses")):
+                    expand_group(page, group, asset)
             expect(graph.get_by_text("synthetic_responses", exact=True).first).to_be_visible()
             expect(graph.get_by_text("vllm", exact=True).first).to_be_visible()  # a kind tag
             page.screenshot(path=str(out / "asset_graph.png"))
