@@ -139,3 +139,33 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: float, delay_s: float = 0.0) -> None:
+    """Run ``script`` (which prints START when it begins work), SIGKILL it once ``reached()`` is true.
+
+    ``delay_s`` shifts the kill a little past the threshold, so kills land at varied points of the write path.
+    """
+    child = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=script.parent,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "START"
+        deadline = time.monotonic() + timeout_s
+        while not reached() and child.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(delay_s)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()

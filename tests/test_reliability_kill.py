@@ -6,16 +6,14 @@ the random points."""
 from __future__ import annotations
 
 import random
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import polars as pl
 import pytest
-from test_reliability_common import child_env, journal_lines
+from test_reliability_common import journal_lines, sigkill_child_when
 
 from eagle3_assets.fake_vllm import FakeConfig, FakeServerProcess
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
@@ -93,29 +91,9 @@ def test_sigkill_at_a_random_point_then_resume_equals_an_uninterrupted_run(
     journal = layout.responses_in_progress_path(KEY)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child = subprocess.Popen(
-        [sys.executable, str(script), server.base_url, str(layout.root)],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
+    sigkill_child_when(
+        script, [server.base_url, str(layout.root)], lambda: journal_lines(journal) >= threshold, 60, jitter
     )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "START"
-        deadline = time.monotonic() + 60
-        while journal_lines(journal) < threshold and child.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-        time.sleep(jitter)
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
 
     before = read_journal(journal)
     assert before.corrupt_lines == 0 and before.lines == len(before.records)  # no duplicate, no mangled line

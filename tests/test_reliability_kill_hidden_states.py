@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import polars as pl
 import pytest
-from test_reliability_common import child_env
+from test_reliability_common import sigkill_child_when
 
 from eagle3_assets.storage import DataLayout
 
@@ -79,29 +75,9 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
     threshold = rng.choice([rng.randint(0, N // 3), rng.randint(N // 3, N)])
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(root), str(verifier)],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=tmp_path,
+    sigkill_child_when(
+        script, [str(root), str(verifier)], lambda: _count(hs_dir) >= threshold, 120, rng.uniform(0, 0.05)
     )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "START"
-        deadline = time.monotonic() + 120
-        while _count(hs_dir) < threshold and child.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0, 0.05))
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
 
     kept = {p.name: p.stat().st_mtime_ns for p in hs_dir.iterdir()} if hs_dir.is_dir() else {}
     result = extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
