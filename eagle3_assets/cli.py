@@ -29,7 +29,7 @@ def cmd_counts(args: argparse.Namespace) -> int:
     try:
         rows = storage.partition_row_counts(layout)
         status = storage.response_status_counts(layout)
-    except duckdb.Error as error:  # one unreadable file fails the whole glob
+    except (duckdb.Error, storage.UnreadablePartitionError) as error:
         print(f"eagle3 counts: {str(error).splitlines()[0]}", file=sys.stderr)
         print("`eagle3 status` lists each partition file and which one is unreadable", file=sys.stderr)
         return 1

@@ -253,20 +253,40 @@ def _duckdb_glob(folder: Path) -> str:
     return str(folder / "*.parquet").replace("'", "''")
 
 
-def partition_row_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
-    """Rows per partition file for every partitioned asset, from Parquet footers only (no data scan)."""
+class UnreadablePartitionError(ValueError):
+    """A partition file is not readable Parquet; the message names each such file."""
+
+
+def footer_row_counts(files: dict[str, Path]) -> tuple[dict[str, int], dict[str, str]]:
+    """Rows per partition file from its Parquet footer (no data scan), file by file so one broken file does
+    not hide the rest. Returns (rows by partition key, error by partition key for unreadable files)."""
     import duckdb
 
-    counts: dict[str, dict[str, int]] = {}
+    rows: dict[str, int] = {}
+    errors: dict[str, str] = {}
     with duckdb.connect() as con:
-        for asset in PARTITIONED_ASSETS:
-            files = layout.partition_files(asset)
-            if not files:
+        for key, path in files.items():
+            quoted = str(path).replace("'", "''")
+            try:
+                found = con.execute(f"SELECT sum(num_rows) FROM parquet_file_metadata('{quoted}')").fetchone()
+            except duckdb.Error as error:
+                errors[key] = (str(error).strip().splitlines() or ["unreadable"])[0][:200]
                 continue
-            rows = con.execute(
-                f"SELECT file_name, num_rows FROM parquet_file_metadata('{_duckdb_glob(layout.asset_dir(asset))}')"
-            ).fetchall()
-            counts[asset] = {Path(name).stem: int(n) for name, n in sorted(rows)}
+            rows[key] = int(found[0] or 0) if found else 0
+    return rows, errors
+
+
+def partition_row_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
+    """Rows per partition file for every partitioned asset; raises UnreadablePartitionError naming bad files."""
+    counts: dict[str, dict[str, int]] = {}
+    for asset in PARTITIONED_ASSETS:
+        files = layout.partition_files(asset)
+        if not files:
+            continue
+        rows, errors = footer_row_counts(files)
+        if errors:
+            raise UnreadablePartitionError("; ".join(f"{files[key]}: {error}" for key, error in sorted(errors.items())))
+        counts[asset] = rows
     return counts
 
 

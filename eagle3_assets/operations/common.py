@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -127,24 +126,3 @@ def partitioned_downstream(graph: BaseAssetGraph, key: dg.AssetKey) -> list[dg.A
         frontier.extend(graph.get(child).child_keys)
     order = [k for level in graph.toposorted_asset_keys_by_level for k in sorted(level) if k in seen]
     return order
-
-
-def footer_row_counts(files: dict[str, Path]) -> tuple[dict[str, int], dict[str, str]]:
-    """Rows per partition file from its Parquet footer, file by file so one broken file does not hide the rest.
-
-    Returns (rows by partition key, error by partition key for files that are not readable Parquet).
-    """
-    import duckdb
-
-    rows: dict[str, int] = {}
-    errors: dict[str, str] = {}
-    with duckdb.connect() as con:
-        for key, path in files.items():
-            quoted = str(path).replace("'", "''")
-            try:
-                found = con.execute(f"SELECT sum(num_rows) FROM parquet_file_metadata('{quoted}')").fetchone()
-            except duckdb.Error as error:
-                errors[key] = (str(error).strip().splitlines() or ["unreadable"])[0][:200]
-                continue
-            rows[key] = int(found[0] or 0) if found else 0
-    return rows, errors

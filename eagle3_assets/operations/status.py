@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING
 from eagle3_assets.operations.common import (
     MATERIALIZED,
     asset_key,
-    footer_row_counts,
     latest_materializations,
     load_asset_graph,
     partition_status,
     registered_partition_keys,
 )
-from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout
+from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout, footer_row_counts
 
 if TYPE_CHECKING:
     import dagster as dg
