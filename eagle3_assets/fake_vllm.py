@@ -13,6 +13,8 @@ What it imitates:
   seed, capped at the request's ``max_tokens`` (then ``finish_reason == "length"``). A prompt containing
   ``[[fake_tokens=N]]`` forces N tokens. Every sequence is produced at ``token_rate`` tokens/s after
   ``ttft_s``, so latency follows length like a real server that is not saturated.
+- ``return_token_ids`` (vLLM >= 0.10.2): ``prompt_token_ids`` and ``choices[].token_ids`` (in streaming, the
+  prompt ids in the first chunk and each chunk's new ids), one id per fixed-width word of the text.
 - ``GET /v1/models``; a 400 with vLLM's message when the prompt exceeds ``max_model_len``; a 401 when an
   API key is configured and the request lacks it.
 - Fault injection, drawn per request from (seed, prompt, how many times that prompt was seen before), so a
@@ -171,6 +173,18 @@ def token_text(key: str, start: int, count: int) -> str:
         count -= take
         begin = 0
     return "".join(out)
+
+
+def token_ids(key: str, start: int, count: int) -> list[int]:
+    """The ids of tokens [start, start+count) of ``key``'s completion: each fixed-width word's index in the
+    vocabulary, so ids and text agree (``return_token_ids``)."""
+    offset = int(_uniform("offset", key) * _VOCAB)
+    return [(offset + i) % _VOCAB for i in range(start, start + count)]
+
+
+def prompt_token_ids(key: str, count: int) -> list[int]:
+    offset = int(_uniform("prompt", key) * _VOCAB)
+    return [(offset + 7 * i) % _VOCAB for i in range(count)]
 
 
 # --------------------------------------------------------------------------------------------- HTTP
@@ -374,7 +388,7 @@ class _Connection(asyncio.Protocol):
             return
         stream = bool(request.get("stream"))
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
-        ctx = _Completion(key, n, n_prompt, finish, config, fault, include_usage)
+        ctx = _Completion(key, n, n_prompt, finish, config, fault, include_usage, bool(request.get("return_token_ids")))
         if stream:
             await self._stream(ctx)
         else:
@@ -400,6 +414,10 @@ class _Connection(asyncio.Protocol):
             "usage": {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n},
             "prompt_logprobs": None,
         }
+        if c.return_token_ids:  # vLLM's shape: prompt ids at the top, completion ids in the choice
+            data["prompt_token_ids"] = prompt_token_ids(c.key, c.n_prompt)
+            for choice in data["choices"]:
+                choice["token_ids"] = token_ids(c.key, 0, c.n)
         body = json.dumps(data).encode()
         if c.fault == "invalid_json":
             self.respond(200, body[: len(body) // 2])
@@ -424,8 +442,10 @@ class _Connection(asyncio.Protocol):
             f'data: {{"id":"chatcmpl-{c.key}","object":"chat.completion.chunk","created":{created},'
             f'"model":"{config.model}","choices":'
         ).encode()
-        self.write(_chunk(prefix + b'[{"index":0,"delta":{"role":"assistant","content":""},'
-                          b'"logprobs":null,"finish_reason":null}]}\n\n'))
+        first = b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+        if c.return_token_ids:  # vLLM sends the prompt's ids once, in the first chunk
+            first += b',"prompt_token_ids":' + json.dumps(prompt_token_ids(c.key, c.n_prompt)).encode()
+        self.write(_chunk(prefix + first + b"}\n\n"))
         n_reasoning = c.n_reasoning
         field_name = config.reasoning_field
         start = time.monotonic() + config.ttft_s
@@ -444,12 +464,12 @@ class _Connection(asyncio.Protocol):
                 if field_name != "none":
                     text = token_text(c.key, sent, upto - sent)
                     parts.append(f'[{{"index":0,"delta":{{"{field_name}":{json.dumps(text)}}},'
-                                 f'"logprobs":null,"finish_reason":null}}]}}\n\n')
+                                 f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n')
                 sent = upto
             if ready > sent:
                 text = token_text(c.key, sent, ready - sent)
                 parts.append(f'[{{"index":0,"delta":{{"content":{json.dumps(text)}}},'
-                             f'"logprobs":null,"finish_reason":null}}]}}\n\n')
+                             f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n')
                 sent = ready
             if c.fault == "empty_choices":
                 parts = ['[]}\n\n']
@@ -488,6 +508,13 @@ class _Completion:
     config: FakeConfig
     fault: str | None
     include_usage: bool
+    return_token_ids: bool = False
+
+    def ids_field(self, start: int, end: int) -> str:
+        """The ``,"token_ids":[...]`` of a stream chunk carrying tokens [start, end), or nothing."""
+        if not self.return_token_ids:
+            return ""
+        return ',"token_ids":' + json.dumps(token_ids(self.key, start, end - start))
 
     @property
     def n_reasoning(self) -> int:

@@ -157,6 +157,12 @@ ENV_SETTINGS: dict[str, EnvSetting] = {
         EnvSetting(
             "EAGLE3_TRANSPORT", "openai", "HTTP client: `openai` (AsyncOpenAI) or `aiohttp` (less client CPU).", _as_str
         ),
+        EnvSetting(
+            "EAGLE3_RETURN_TOKEN_IDS",
+            "true",
+            "Ask vLLM for prompt/completion token ids and train on exactly those (false for servers without them).",
+            parse_bool,
+        ),
         EnvSetting("EAGLE3_TEMPERATURE", "0.6", "Sampling temperature for generation.", parse_non_negative_float),
         EnvSetting(
             "EAGLE3_EXTRA_BODY", "", 'Extra JSON fields for each request, e.g. `{"ignore_eos": true}`.', _as_str

@@ -10,7 +10,16 @@ import polars as pl
 import pytest
 
 from eagle3_assets import storage
-from eagle3_assets.fake_vllm import FakeConfig, FakeServerProcess, prompt_key, response_length, token_text
+from eagle3_assets.fake_vllm import (
+    FakeConfig,
+    FakeServerProcess,
+    prompt_key,
+    prompt_token_ids,
+    prompt_tokens,
+    response_length,
+    token_ids,
+    token_text,
+)
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import Journal
@@ -184,8 +193,24 @@ def test_acceptance5_reasoning_shapes(shape_server: tuple[FakeConfig, str], stre
         assert row["content"] == content
         assert (row["finish_reason"], row["completion_tokens"]) == (finish, n)
         assert row["messages"] == [dict(m) for m in prompt.messages]
+        # vLLM's return_token_ids, assembled across stream chunks: the exact served tokens, in order
+        key = prompt_key([dict(m) for m in prompt.messages])
+        assert row["completion_token_ids"] == token_ids(key, 0, n)
+        n_prompt = prompt_tokens([dict(m) for m in prompt.messages])
+        assert row["prompt_token_ids"] == prompt_token_ids(key, n_prompt) and row["prompt_tokens"] == n_prompt
         truncated += finish == "length"
     assert result.truncated == truncated
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_token_ids_are_not_requested_when_switched_off(server: FakeServerProcess, stream: bool,
+                                                       layout: DataLayout) -> None:
+    config = fast_config(server.base_url, stream=stream, return_token_ids=False)
+    assert "return_token_ids" not in config.request_fields()
+    result = generate_partition(make_prompts(5), KEY, layout, config, log=lambda _m: None)
+    frame = read_rows(layout)
+    assert result.ok == 5
+    assert frame["prompt_token_ids"].null_count() == 5 and frame["completion_token_ids"].null_count() == 5
 
 
 def test_truncated_samples_are_counted(server: FakeServerProcess, layout: DataLayout) -> None:

@@ -316,3 +316,37 @@ def test_partition_prompts_reads_one_partition_in_position_order(tmp_path: Path)
     assert [p.sample_id for p in prompts] == ["s3", "s4", "s5"]
     assert prompts[0].messages == [{"role": "user", "content": "m3"}]
     assert partition_prompts(layout, "00009") == []
+
+
+def _body_with_ids(prompt_ids: object, ids: object, prompt_tokens: int = 3, completion_tokens: int = 2) -> bytes:
+    return json.dumps({
+        "model": "m", "prompt_token_ids": prompt_ids,
+        "choices": [{"message": {"content": "x"}, "finish_reason": "stop", "token_ids": ids}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+    }).encode()
+
+
+def test_token_ids_are_parsed_and_checked_against_usage() -> None:
+    completion = parse_completion(_body_with_ids([5, 6, 7], [8, 9]))
+    assert (completion.prompt_token_ids, completion.completion_token_ids) == ([5, 6, 7], [8, 9])
+    # absent (a server without return_token_ids): None, not an error
+    assert parse_completion(_body_with_ids(None, None)).completion_token_ids is None
+    # a server that lies: ids that disagree with usage, or are not token ids, are a retryable bad body
+    for prompt_ids, ids, why in (([5, 6, 7], [8], "token_ids has 1 ids but usage says 2"),
+                                 ([5, 6], [8, 9], "prompt_token_ids has 2 ids but usage says 3"),
+                                 ([5, 6, 7], [8, "9"], "token_ids is not a list of non-negative integers"),
+                                 ([5, 6, -7], [8, 9], "prompt_token_ids is not a list of non-negative")):
+        with pytest.raises(RequestFailed, match=why) as caught:
+            parse_completion(_body_with_ids(prompt_ids, ids))
+        assert caught.value.retryable
+
+
+def test_stream_token_ids_are_assembled_across_chunks() -> None:
+    state = _StreamState()
+    state.feed(json.dumps({"model": "m", "prompt_token_ids": [1, 2], "choices": [
+        {"delta": {"reasoning": "a"}, "token_ids": [3, 4]}]}).encode())
+    state.feed(json.dumps({"choices": [{"delta": {"content": "b"}, "token_ids": [5]}]}).encode())
+    state.feed(json.dumps({"choices": [{"delta": {}, "token_ids": [], "finish_reason": "stop"}]}).encode())
+    state.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode())
+    completion = state.result()
+    assert (completion.prompt_token_ids, completion.completion_token_ids) == ([1, 2], [3, 4, 5])

@@ -272,3 +272,53 @@ def test_sigkill_during_extraction_recomputes_nothing_stored_whole(tmp_path: Pat
     assert not any(p.name.startswith(".") for p in hs_dir.iterdir())
     for check in (check_token_ids, check_one_per_ok_response):
         assert check(layout, "00000").passed
+
+
+def _with_served_ids(layout: DataLayout, key: str, tokenizer, rows: int, completion_id: int | None = None) -> list:
+    """Give the first ``rows`` responses of the partition vLLM's ``return_token_ids`` columns."""
+    import polars as pl
+
+    path = layout.responses_path(key)
+    frame = pl.read_parquet(path)
+    prompt_ids, completion_ids = [], []
+    for i, record in enumerate(frame.iter_rows(named=True)):
+        if i >= rows or record["status"] != "ok":
+            prompt_ids.append(None)
+            completion_ids.append(None)
+            continue
+        prompt_ids.append(list(tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True,
+                                                             tokenize=True, return_dict=False)))
+        completion_ids.append([completion_id or (7 + i), 11, 13 + i, 1])
+    frame = frame.with_columns(pl.Series("prompt_token_ids", prompt_ids, dtype=pl.List(pl.Int64)),
+                               pl.Series("completion_token_ids", completion_ids, dtype=pl.List(pl.Int64)))
+    frame.write_parquet(path)
+    return list(zip(prompt_ids, completion_ids, strict=True))
+
+
+def test_served_token_ids_are_used_as_they_are(tmp_path: Path, verifier: Path, tokenizer) -> None:
+    from datasets import load_from_disk
+
+    layout = DataLayout.at(tmp_path)
+    fabricate_responses(layout, "00000", 6)
+    served = _with_served_ids(layout, "00000", tokenizer, rows=4)
+    result = extract_partition(layout, "00000", verifier, HiddenStatesConfig(layer_ids=LAYERS))
+    assert result.served_token_ids == 4 and any("2 of 6 responses carry no token ids" in n for n in result.notes)
+    dataset = load_from_disk(str(result.data_dir))
+    for row, (prompt_ids, completion_ids) in enumerate(served[:4]):
+        item = dataset[row]
+        # exactly the server's tokens (no re-tokenization), loss on the completion only
+        assert item["input_ids"].tolist() == prompt_ids + completion_ids
+        assert item["loss_mask"].tolist() == [0] * len(prompt_ids) + [1] * len(completion_ids)
+    # the re-rendered fallback rows still get a loss mask from the chat template
+    assert dataset[4]["loss_mask"].sum() > 0 and dataset[4]["loss_mask"][0] == 0
+    assert check_token_ids(layout, "00000").passed
+
+
+def test_served_token_id_outside_the_verifier_vocabulary_names_the_sample(tmp_path: Path, verifier: Path,
+                                                                           tokenizer) -> None:
+    layout = DataLayout.at(tmp_path)
+    fabricate_responses(layout, "00000", 3)
+    _with_served_ids(layout, "00000", tokenizer, rows=3, completion_id=10**6)
+    with pytest.raises(ValueError, match=r"partition 00000, sample 00000-00000: token id 1000000 is outside"):
+        extract_partition(layout, "00000", verifier, HiddenStatesConfig(layer_ids=LAYERS))
+    assert not layout.hidden_states_index_path("00000").exists()

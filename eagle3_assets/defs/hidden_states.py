@@ -74,6 +74,7 @@ def hidden_states(
             "truncated_at_max_seq_len": result.truncated,
             "tokens": result.tokens,
             "loss_tokens": result.loss_tokens,
+            "served_token_ids": result.served_token_ids,
             "bytes": result.bytes,
             "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
             "tokens_per_s": round(result.tokens_per_s, 1),

@@ -39,6 +39,8 @@ class InferenceServerResource(dg.ConfigurableResource):
     # "openai" (openai.AsyncOpenAI, the default) or "aiohttp" (same semantics, ~2x less client CPU;
     # see benchmarks/generation_efficiency.py)
     transport: str = "openai"
+    # store vLLM's prompt/completion token ids so hidden states use the served tokens (vLLM >= 0.10.2)
+    return_token_ids: bool = True
 
     @abstractmethod
     def base_urls(self) -> list[str]:
@@ -88,6 +90,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             request_timeout_s=self.request_timeout_s,
             stream=self.stream,
             transport=self.transport,
+            return_token_ids=self.return_token_ids,
             idle_timeout_s=self.idle_timeout_s,
             max_attempts=self.max_attempts,
         )
@@ -152,4 +155,5 @@ def inference_resource_from_env() -> InferenceServerResource:
         temperature=env("EAGLE3_TEMPERATURE"),
         extra_body_json=env("EAGLE3_EXTRA_BODY"),
         transport=env("EAGLE3_TRANSPORT"),
+        return_token_ids=env("EAGLE3_RETURN_TOKEN_IDS"),
     )

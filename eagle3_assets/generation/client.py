@@ -40,6 +40,28 @@ class Completion:
     prompt_tokens: int | None
     completion_tokens: int | None
     model: str | None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids; None when not sent
+    completion_token_ids: list[int] | None = None
+
+
+def _token_ids(value: Any, what: str) -> list[int] | None:
+    """A token-id list from the body, or None when absent; anything else is a body we cannot trust (retryable)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or (value and (set(map(type, value)) != {int} or min(value) < 0)):
+        raise RequestFailed(f"{what} is not a list of non-negative integers: {str(value)[:200]}", True)
+    return value
+
+
+def _checked(completion: Completion) -> Completion:
+    """Token ids must agree with the usage counts they come with: a server whose two accounts differ lies in one."""
+    for ids, count, what in (
+        (completion.prompt_token_ids, completion.prompt_tokens, "prompt_token_ids"),
+        (completion.completion_token_ids, completion.completion_tokens, "token_ids"),
+    ):
+        if ids is not None and count is not None and len(ids) != count:
+            raise RequestFailed(f"{what} has {len(ids)} ids but usage says {count} tokens", True)
+    return completion
 
 
 class RequestFailed(Exception):
@@ -196,16 +218,22 @@ def parse_completion(body: bytes) -> Completion:
     if reasoning is None:
         reasoning = message.get("reasoning_content")  # vLLM before the rename
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    return Completion(reasoning, message.get("content"), str(finish), usage.get("prompt_tokens"),
-                      usage.get("completion_tokens"), data.get("model"))
+    return _checked(Completion(
+        reasoning, message.get("content"), str(finish), usage.get("prompt_tokens"), usage.get("completion_tokens"),
+        data.get("model"), _token_ids(data.get("prompt_token_ids"), "prompt_token_ids"),
+        _token_ids(choice.get("token_ids"), "token_ids"),
+    ))
 
 
 class _StreamState:
-    __slots__ = ("content", "done", "finish", "model", "reasoning", "usage")
+    __slots__ = ("completion_ids", "content", "done", "finish", "model", "prompt_ids", "reasoning", "usage")
 
     def __init__(self) -> None:
         self.reasoning: list[str] = []
         self.content: list[str] = []
+        # vLLM sends prompt_token_ids in the first chunk and each chunk's new ids in choices[].token_ids
+        self.prompt_ids: list[int] | None = None
+        self.completion_ids: list[int] | None = None
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
@@ -230,7 +258,14 @@ class _StreamState:
             raise RequestFailed(f"stream event is not a chat completion chunk: {payload[:200]!r}", True)
         if self.model is None:
             self.model = data.get("model")
+        if self.prompt_ids is None and data.get("prompt_token_ids") is not None:
+            self.prompt_ids = _token_ids(data["prompt_token_ids"], "prompt_token_ids")
         for choice in choices:
+            ids = choice.get("token_ids")
+            if ids is not None:
+                if self.completion_ids is None:
+                    self.completion_ids = []
+                self.completion_ids.extend(_token_ids(ids, "token_ids") or ())
             delta = choice.get("delta") or {}
             piece = delta.get("reasoning")
             if piece is None:
@@ -250,9 +285,11 @@ class _StreamState:
         if self.finish is None:
             raise RequestFailed("truncated stream: it ended without a finish_reason", True)
         usage = self.usage or {}
-        return Completion("".join(self.reasoning) if self.reasoning else None,
-                          "".join(self.content) if self.content else None, self.finish,
-                          usage.get("prompt_tokens"), usage.get("completion_tokens"), self.model)
+        return _checked(Completion(
+            "".join(self.reasoning) if self.reasoning else None, "".join(self.content) if self.content else None,
+            self.finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), self.model, self.prompt_ids,
+            self.completion_ids,
+        ))
 
 
 def build_body(model: str, messages: Sequence[Mapping[str, str]], params: Mapping[str, Any], stream: bool,

@@ -11,7 +11,9 @@ from urllib.parse import urlparse, urlsplit, urlunsplit
 from eagle3_assets.settings import ConfigError
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
-_RESERVED = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n"})
+_RESERVED = frozenset({
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "return_token_ids",
+})
 
 
 def display_url(url: str) -> str:
@@ -43,6 +45,10 @@ class GenerationConfig:
     request_timeout_s: float = 1800.0  # whole request (and the read timeout when not streaming)
     connect_timeout_s: float = 10.0
     stream: bool = False
+    # Ask vLLM (>= 0.10.2) for the prompt and completion token ids and store them: hidden states are then
+    # computed on exactly the tokens the server produced, where re-tokenizing the text differs at a quarter to a
+    # third of positions. Servers that do not know the field ignore it (vLLM) or must be told False here.
+    return_token_ids: bool = True
     transport: str = "openai"  # "openai" (openai.AsyncOpenAI) or "aiohttp" (leaner, same semantics)
     # streaming: no bytes for this long = retryable failure. Generous: a request queued behind a full batch
     # gets no bytes until it is scheduled.
@@ -112,6 +118,13 @@ class GenerationConfig:
             params["seed"] = self.seed
         params.update(self.extra_sampling)
         return params
+
+    def request_fields(self) -> dict[str, Any]:
+        """Everything of the request body besides model, messages and the stream flags."""
+        fields = self.sampling_params()
+        if self.return_token_ids:
+            fields["return_token_ids"] = True
+        return fields
 
     def redact(self, text: str) -> str:
         """Replace the API key in any text that may reach a log line, an error or a file."""

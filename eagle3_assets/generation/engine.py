@@ -98,6 +98,7 @@ class Engine:
             if unhealthy and endpoint.url in unhealthy:
                 self.pool.bench(endpoint, f"preflight failed ({unhealthy[endpoint.url]})")
         self.params = config.sampling_params()
+        self.request_fields = config.request_fields()
         # extra sampling fields go straight into the JSON body (vLLM reads top_k, min_p, ... there)
         self.sampling_json = json.dumps(self.params, sort_keys=True)
         self.stats = EngineStats()
@@ -161,7 +162,7 @@ class Engine:
         self.stats.requests += 1
         started = time.monotonic()
         if item.body is None:
-            item.body = build_body(self.model, item.messages, self.params, self.config.stream)
+            item.body = build_body(self.model, item.messages, self.request_fields, self.config.stream)
         body = item.body
         deadline = self.config.request_timeout_s
         try:
@@ -219,6 +220,8 @@ class Engine:
             "finish_reason": completion.finish_reason if ok else None,
             "prompt_tokens": completion.prompt_tokens if ok else None,
             "completion_tokens": completion.completion_tokens if ok else None,
+            "prompt_token_ids": completion.prompt_token_ids if ok else None,
+            "completion_token_ids": completion.completion_token_ids if ok else None,
             "latency_s": round(latency, 4),
             "endpoint": display_url(endpoint.url),
             "attempts": item.attempts,

@@ -1,6 +1,7 @@
 """The ``synthetic_responses`` row: one per prompt of a partition, ``ok`` or ``failed``.
 
-Downstream (hidden states) reads ``sample_id, messages, reasoning, content, status, finish_reason``.
+Downstream (hidden states) reads ``sample_id, messages, reasoning, content, status, finish_reason`` and, when the
+server returned them, ``prompt_token_ids`` and ``completion_token_ids`` (the exact tokens it trains on).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "finish_reason": pl.String(),
     "prompt_tokens": pl.Int64(),
     "completion_tokens": pl.Int64(),
+    # vLLM's own token ids (``return_token_ids``); null when the server did not send them
+    "prompt_token_ids": pl.List(pl.Int64()),
+    "completion_token_ids": pl.List(pl.Int64()),
     "latency_s": pl.Float64(),
     "endpoint": pl.String(),
     "attempts": pl.Int64(),
