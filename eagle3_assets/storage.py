@@ -24,8 +24,9 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,18 +131,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(path: Path) -> None:
-    """Remove temporary files of ``path`` left by writers that were killed mid-write (their pid is gone).
+# A writer's temporary entry: ``.{name}.tmp-{pid}`` (atomic_path, or a folder renamed into place whole) or
+# ``.{name}.old-{pid}`` (the previous version moved aside while a folder is replaced).
+_TEMP_ENTRY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
 
-    A live writer's file is kept (another process may be writing it); a reused pid only keeps a stale file longer.
+
+def remove_dead_writers_temps(folder: Path, names: Collection[str] | None = None) -> list[Path]:
+    """Remove the temporary files and folders in ``folder`` left by writers that were killed mid-write (their pid
+    is gone), of the targets ``names`` (None: of any target). Returns what was removed.
+
+    A killed writer's temporary entry is never renamed into place, so without this sweep every kill leaks a file or
+    folder the size of what was being written. A live writer's entry is kept (another process may be writing it),
+    and so is this process's own (its writer cleans up after itself); a reused pid only keeps a stale entry longer.
     """
-    prefix = f".{path.name}.tmp-"
-    with contextlib.suppress(OSError):
-        for old in path.parent.iterdir():
-            pid = old.name[len(prefix) :] if old.name.startswith(prefix) else ""
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                with contextlib.suppress(OSError):
-                    old.unlink()
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # no folder yet: nothing was ever written there
+        return removed
+    for entry in entries:
+        match = _TEMP_ENTRY.match(entry.name)
+        if match is None or (names is not None and match["name"] not in names):
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
 
 
 # Writers that wrap the OS error in their own exception (polars raises ComputeError "... No space left on device
@@ -184,8 +205,7 @@ def atomic_path(path: Path, needed_bytes: int | None = None) -> Iterator[Path]:
 
 def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
     # Once per partition file, so the directory scan is cheap (not in atomic_path: per-sample files use that).
-    if path.parent.is_dir():
-        _remove_stale_temps(path)
+    remove_dead_writers_temps(path.parent, {path.name})
     with atomic_path(path, needed_bytes=int(frame.estimated_size())) as tmp:
         frame.write_parquet(tmp, compression="zstd", statistics=True)
 

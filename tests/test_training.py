@@ -133,3 +133,38 @@ def test_sigkill_during_training_resumes_from_last_checkpoint(data: DataLayout, 
     # training longer continues from the finished run instead of starting again
     longer = train_draft(layout, KEYS[:2], KEYS[2], verifier, TrainConfig(**{**config.__dict__, "epochs": 5}))
     assert longer.resumed_from_epoch == 3 and longer.epochs_run == 1 and longer.epochs == 5
+
+
+@pytest.mark.parametrize("init", ["token_copy", "speculators"])
+def test_token_copy_init_carries_the_new_token_forward(verifier: Path, init: str) -> None:
+    """With init="token_copy" the untrained draft's attention output at each position is (a multiple of) that
+    position's own normalized token embedding: the pathway a draft otherwise spends thousands of steps finding.
+    speculators' plain init mixes all earlier positions instead."""
+    import torch
+
+    from eagle3_assets.training.train import build_draft
+
+    torch.manual_seed(0)
+    model = build_draft(verifier, [1, 2, 3], TrainConfig(init=init), None).eval()
+    seq = 64
+    input_ids = torch.randint(0, 1000, (1, seq))
+    captured: list[torch.Tensor] = []
+    model.layers[0].self_attn.register_forward_hook(lambda _m, _a, out: captured.append(out[0].detach()))
+    with torch.no_grad():
+        model(
+            hidden_states=torch.randn(1, seq, 3 * model.hidden_size),
+            input_ids=input_ids,
+            document_ids=torch.zeros(1, seq, dtype=torch.long),
+            ttt_steps=1,
+        )
+    own = model.layers[0].input_layernorm(model.embed_tokens(input_ids))
+    similarity = torch.nn.functional.cosine_similarity(captured[0], own, dim=-1)[0, 1:]  # position 0 sees only itself
+    if init == "token_copy":
+        assert similarity.min() > 0.95, similarity
+    else:
+        assert similarity.abs().mean() < 0.3, similarity
+
+
+def test_unknown_init_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="init='xavier'"):
+        TrainConfig(init="xavier").validate()

@@ -58,6 +58,19 @@ def test_partition_of_50_against_real_vllm(
     assert ok["reasoning"].null_count() == 0 and finished["content"].null_count() == 0
     assert not ok["content"].str.contains("</think>").any() and not ok["reasoning"].str.contains("</think>").any()
     assert (ok["completion_tokens"] > 0).all()
+    # return_token_ids: vLLM's own tokens (what hidden_states trains on), as many as usage counts, the prompt
+    # exactly the chat template's rendering, every finished answer ending with eos
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vllm_server.config.model))
+    assert ok["prompt_token_ids"].null_count() == 0 and ok["completion_token_ids"].null_count() == 0
+    assert (ok["prompt_token_ids"].list.len() == ok["prompt_tokens"]).all()
+    assert (ok["completion_token_ids"].list.len() == ok["completion_tokens"]).all()
+    first = ok.row(0, named=True)
+    rendered = tokenizer.apply_chat_template(first["messages"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert first["prompt_token_ids"] == list(rendered)
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in finished["completion_token_ids"].to_list())
     failed = frame.filter(pl.col("status") == "failed").row(0, named=True)
     assert failed["sample_id"] == TOO_LONG_ID and failed["attempts"] == 1
     assert "maximum context length" in failed["error"]

@@ -79,6 +79,8 @@ class DraftTrainingConfig(dg.Config):
     val_partition: str = ""  # empty: the last hidden_states partition
     max_steps_per_epoch: int = 0  # 0: no cap
     max_val_batches: int = 0  # validation batches per evaluation; 0: the whole held-out partition
+    init: str = "token_copy"  # "token_copy" (the draft starts by carrying the new token forward) or "speculators"
+    num_threads: int = 0  # torch threads on CPU; 0: all cores but one
 
 
 @dg.asset(
@@ -115,6 +117,8 @@ def draft_model(
             device=verifier.device,
             max_steps_per_epoch=config.max_steps_per_epoch or None,
             max_val_batches=config.max_val_batches or None,
+            init=config.init,
+            num_threads=config.num_threads or None,
         ),
         log=context.log.info,
     )

@@ -33,6 +33,8 @@ class EvaluationOptions:
     partition: str | None = None  # held-out hidden_states / raw_prompts partition; default: the last one
     offline_max_samples: int | None = None
     untrained_seed: int = 0
+    # the untrained baseline's init (TrainConfig.init); None: the one recorded in the draft's training history
+    untrained_init: str | None = None
     tolerance: float = DEFAULT_TOLERANCE
     online_config: OnlineConfig = field(default_factory=OnlineConfig)
 
@@ -43,6 +45,20 @@ def held_out_partition(layout: DataLayout, requested: str | None) -> str | None:
         return requested
     keys = sorted(layout.partition_files("hidden_states"))
     return keys[-1] if keys else None
+
+
+def training_init(draft_dir: Path) -> str | None:
+    """The init the draft at ``draft_dir`` (``<draft_model>/final``) was trained from, if its history says."""
+    import json
+
+    from eagle3_assets.training.train import HISTORY_FILE
+
+    try:
+        history = json.loads((draft_dir.parent / HISTORY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    init = (history.get("config") or {}).get("init") if isinstance(history, dict) else None
+    return init if isinstance(init, str) else None
 
 
 def run_evaluation(
@@ -72,9 +88,11 @@ def run_evaluation(
     if options.untrained:
         from eagle3_assets.evaluation.offline import build_untrained_like
 
-        models["untrained"] = build_untrained_like(trained, options.untrained_seed)
+        init = options.untrained_init or training_init(draft_dir)
+        models["untrained"] = build_untrained_like(trained, options.untrained_seed, init)
+        notes.append(f"untrained baseline: the same shape, init {init or 'default'!r}, seed {options.untrained_seed}")
         if options.online:
-            save_untrained_draft(trained, untrained_dir, options.untrained_seed)
+            save_untrained_draft(trained, untrained_dir, options.untrained_seed, init)
 
     stats = []
     if options.offline:

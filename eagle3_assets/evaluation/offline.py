@@ -66,8 +66,12 @@ def draft_verifier_path(model: Any) -> Path:
     return Path(model.config.speculators_config.verifier.name_or_path)
 
 
-def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED) -> Any:
-    """A freshly initialized draft of the same shape (layers, vocab mapping, aux layers, norms), seeded."""
+def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED, init: str | None = None) -> Any:
+    """A freshly initialized draft of the same shape (layers, vocab mapping, aux layers, norms), seeded.
+
+    ``init``: how training initialized the draft (`TrainConfig.init`; default: its default), so the baseline is
+    the trained draft's own starting point and the report shows what training bought.
+    """
     import torch
 
     from eagle3_assets.training.train import TrainConfig, build_draft
@@ -81,6 +85,7 @@ def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED) -> Any:
         norm_output=bool(cfg.norm_output),
         draft_attn_impl="sdpa",
         seed=seed,
+        init=init or TrainConfig.init,
     )
     mapping = None
     if model.d2t is not None and model.t2d is not None and int(model.draft_vocab_size) != int(model.t2d.shape[0]):
@@ -100,12 +105,12 @@ def _saved_k(model: Any) -> int:
         return 3
 
 
-def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED) -> Path:
+def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, init: str | None = None) -> Path:
     """Build the seeded untrained twin of ``model`` and save it in speculators' format (for vLLM)."""
     import os
     import shutil
 
-    untrained = build_untrained_like(model, seed)
+    untrained = build_untrained_like(model, seed, init)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout, atomic_path, ensure_free_space, exclusive_lock, write_json_atomic
+from eagle3_assets.storage import (
+    DataLayout,
+    atomic_path,
+    ensure_free_space,
+    exclusive_lock,
+    remove_dead_writers_temps,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +54,11 @@ FINAL_DIR = "final"
 HISTORY_FILE = "training_history.json"
 # Loaded again from the verifier when the model is rebuilt: not worth a copy in every checkpoint.
 _VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+INITS = ("token_copy", "speculators")
+# token_copy gains: the self-attention logit (per head, over sqrt(head_dim)) that beats ~e^8 other positions, and
+# the copied embedding's weight against the normalized residual (rms 1).
+_SELF_SCORE = 18.0
+_COPY_GAIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,9 @@ class TrainConfig:
     norm_before_fc: bool = True
     norm_output: bool = True
     draft_attn_impl: str = "sdpa"  # "sdpa" or "eager" (flex attention has no CPU backward)
+    # "token_copy": speculators' init, then the first draft layer starts by attending to its own position and
+    # passing the new token's embedding into the residual (see `init_token_copy`); "speculators": its init as is.
+    init: str = "token_copy"
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
@@ -86,6 +101,8 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr!r}: must be a positive number")
         if self.scheduler not in {"cosine", "linear", "none"}:
             raise ConfigError(f"scheduler={self.scheduler!r}: must be cosine, linear or none")
+        if self.init not in INITS:
+            raise ConfigError(f"init={self.init!r}: must be one of {', '.join(INITS)}")
         if self.draft_attn_impl not in {"sdpa", "eager"}:
             raise ConfigError(f"draft_attn_impl={self.draft_attn_impl!r}: must be sdpa or eager")
         if self.save_dtype not in {"float32", "bfloat16"}:
@@ -214,7 +231,7 @@ def build_draft(
             f"{verifier_path} has {target_vocab}: rebuild vocab_mapping for this verifier"
         )
     draft_vocab_size = int(d2t.shape[0]) if d2t is not None else target_vocab
-    return Eagle3DraftModel.from_training_args(
+    model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_config,
         t2d=t2d,
         d2t=d2t,
@@ -227,6 +244,51 @@ def build_draft(
         ttt_steps=config.ttt_steps,
         draft_attn_impl=config.draft_attn_impl,
     )
+    if config.init == "token_copy":
+        init_token_copy(model)
+    return model
+
+
+def init_token_copy(model: Any) -> None:
+    """Start the first draft layer as "carry the new token forward".
+
+    An EAGLE-3 draft predicts token t+2 from the verifier's states at t and the embedding of token t+1, which enters
+    the first layer only through attention (the residual is the verifier's states). From a random init, attention
+    must first learn to pick out its own position among all earlier ones: measured on the demo's tiny verifier,
+    120 steps left the draft at 10% top-1 accuracy; with this init 60 steps reach 52% (docs/local_vllm.md). Here
+    each head's query and key read the same slice of the normalized embedding (so a position scores itself
+    ~``_SELF_SCORE`` above the others), its value copies that slice, and the output projection writes it back, at
+    ``_COPY_GAIN``, into the dimensions it came from. Every other weight keeps speculators' init; training moves all.
+    """
+    import torch
+
+    layer = model.layers[0]
+    attn = layer.self_attn
+    hidden = int(model.hidden_size)
+    head_dim = int(attn.head_dim)
+    q_heads = attn.q_proj.weight.shape[0] // head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // head_dim
+    group = q_heads // kv_heads
+    beta = (_SELF_SCORE / head_dim**0.5) ** 0.5
+    eye = torch.eye(head_dim)
+    with torch.no_grad():
+        # Inputs are cat([embeds, hidden]): columns [0, hidden) are the embedding half.
+        for q_head in range(q_heads):
+            kv_head = q_head // group
+            cols = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+            if cols.stop > hidden:  # more head dims than the embedding has: those heads keep their random init
+                continue
+            rows = slice(q_head * head_dim, (q_head + 1) * head_dim)
+            kv_rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+            # the hidden half keeps its random init: context still reaches the scores and values from step one
+            attn.q_proj.weight[rows, :hidden] = 0.0
+            attn.q_proj.weight[rows, cols] = beta * eye
+            attn.k_proj.weight[kv_rows, :hidden] = 0.0
+            attn.k_proj.weight[kv_rows, cols] = beta * eye
+            attn.v_proj.weight[kv_rows, :hidden] = 0.0
+            attn.v_proj.weight[kv_rows, cols] = eye
+            attn.o_proj.weight[:, rows] = 0.0
+            attn.o_proj.weight[cols, rows] = (_COPY_GAIN / group) * eye
 
 
 def trainer_kwargs(config: TrainConfig) -> dict[str, Any]:
@@ -428,6 +490,10 @@ def train_draft(
         exclusive_lock(layout.lock_path("draft_model"), "draft_model training"),
         torch_threads(config.num_threads),
     ):
+        # A killed run never renames its temporaries into place (a checkpoint, final/ being saved or moved aside,
+        # the history): without this sweep each kill would leak a checkpoint- or draft-sized file or folder.
+        for folder in (out_dir, ckpt_dir):
+            remove_dead_writers_temps(folder)
         mapping = load_vocab_mapping(layout)
         if mapping is None:
             notes.append("no vocab_mapping found: the draft uses the verifier's full vocabulary")
@@ -543,7 +609,9 @@ def train_draft(
 
         model.eval()
         _save_final(model, final_dir, config.save_dtype)
-        write_json_atomic({**history, "fingerprint": fingerprint, "notes": notes}, out_dir / HISTORY_FILE)
+        write_json_atomic(
+            {**history, "config": asdict(config), "fingerprint": fingerprint, "notes": notes}, out_dir / HISTORY_FILE
+        )
 
     return TrainResult(
         epochs=len(history["val_loss"]),
