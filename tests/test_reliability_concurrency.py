@@ -199,3 +199,67 @@ def test_other_partitions_are_not_blocked_by_a_running_one(tmp_path: Path, layou
             ).ok
             == 3
         )
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from eagle3_assets import storage
+    with storage.exclusive_lock(Path(sys.argv[1]), sys.argv[2]):
+        print("LOCKED", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+@contextmanager
+def lock_held_elsewhere(lock: Path, what: str, cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process holding ``lock``, as a running extraction or training holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(lock), what], env=child_env(), stdout=subprocess.PIPE, text=True, cwd=cwd
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "LOCKED"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def test_hidden_states_and_draft_model_refuse_a_second_writer_before_any_work(
+    tmp_path: Path, layout: DataLayout
+) -> None:
+    """The same lock guards the other writers: while another process extracts partition 00000, a second
+    extraction of it fails naming the holder before any work (it writes nothing), and partition 00001 extracts
+    meanwhile; while another process trains the draft, a second training fails before writing anything under
+    draft_model/. Once the holder dies (SIGKILL), its lock is gone."""
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier, fabricate_responses
+    from eagle3_assets.training import TrainConfig, train_draft
+
+    verifier = cached_tiny_verifier()
+    config = HiddenStatesConfig(layer_ids=[1, 2, 3])
+    for key in ("00000", "00001"):
+        fabricate_responses(layout, key, 3, min_words=5, max_words=10)
+
+    def written(asset: str) -> list[str]:
+        folder = layout.asset_dir(asset)
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "_locks" not in p.parts)
+
+    lock = layout.lock_path("hidden_states", "00000")
+    with lock_held_elsewhere(lock, "hidden_states partition 00000", tmp_path) as holder:
+        with pytest.raises(PartitionBusyError) as refused:
+            extract_partition(layout, "00000", verifier, config)
+        assert f"hidden_states partition 00000 is being written by pid {holder.pid}" in str(refused.value)
+        assert str(lock) in str(refused.value)
+        assert written("hidden_states") == []
+        assert extract_partition(layout, "00001", verifier, config).samples == 3  # other partitions go on
+    assert extract_partition(layout, "00000", verifier, config).samples == 3  # the dead holder's lock is gone
+
+    with lock_held_elsewhere(layout.lock_path("draft_model"), "draft_model training", tmp_path) as holder:
+        with pytest.raises(PartitionBusyError, match=f"draft_model training is being written by pid {holder.pid}"):
+            train_draft(layout, ["00000"], "00001", verifier, TrainConfig(epochs=1, max_steps_per_epoch=1))
+        assert written("draft_model") == []

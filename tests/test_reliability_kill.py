@@ -5,6 +5,7 @@ the random points."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -133,3 +134,31 @@ def test_temporary_file_of_a_writer_killed_mid_write_is_removed_by_the_next_writ
     storage.write_parquet_atomic(pl.DataFrame({"sample_id": ["a"]}), target)
     assert not stale.exists() and live.exists()
     assert list(layout.partition_files("synthetic_responses")) == [KEY]
+
+
+def test_dead_writers_temporary_files_and_folders_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """The sweep every resuming stage runs (storage.remove_dead_writers_temps): a dead writer's `.{name}.tmp-{pid}`
+    file or folder and `.{name}.old-{pid}` folder go; a live writer's (pid 1, this process) and anything not named
+    like a temporary entry stay; ``names`` limits the sweep to those targets."""
+    from eagle3_assets import storage
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "draft_model"
+    folder.mkdir()
+    gone = [f".epoch_0001.pt.tmp-{dead.pid}", f".final.tmp-{dead.pid}", f".final.old-{dead.pid}"]
+    kept = [".epoch_0002.pt.tmp-1", f".final.tmp-{os.getpid()}", "final", ".hidden", ".final.tmp-x", "a.tmp-1"]
+    other = f".training_history.json.tmp-{dead.pid}"  # dead, but outside ``names`` in the first sweep
+    for name in [*gone, *kept, other]:
+        if "final" in name:
+            (folder / name).mkdir()
+            (folder / name / "model.safetensors").write_bytes(b"weights")
+        else:
+            (folder / name).write_bytes(b"bytes")
+
+    removed = storage.remove_dead_writers_temps(folder, {"epoch_0001.pt", "epoch_0002.pt", "final"})
+    assert sorted(p.name for p in removed) == sorted(gone)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*kept, other])
+    assert [p.name for p in storage.remove_dead_writers_temps(folder)] == [other]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
+    assert storage.remove_dead_writers_temps(tmp_path / "missing") == []
