@@ -165,6 +165,38 @@ def remove_dead_writers_temps(folder: Path, names: Collection[str] | None = None
     return removed
 
 
+def replace_dir_atomic(tmp: Path, target: Path) -> None:
+    """Put the finished folder ``tmp`` (next to ``target``, e.g. ``.NAME.tmp-PID``) in place at ``target``,
+    replacing the previous ``target`` if any.
+
+    A folder cannot be renamed over a non-empty one, and removing the old one first would leave a half-removed
+    folder at ``target`` when killed (or nothing at all while the new one is still only a temporary). So the old
+    one is renamed aside to ``.NAME.old-PID``, the new one renamed into place, and only then is the old one
+    removed: ``target`` is always the whole old folder or the whole new one (absent only between the two renames).
+    A kill leaves ``.NAME.tmp-PID`` / ``.NAME.old-PID``, which `remove_dead_writers_temps` sweeps on the next run.
+    If the second rename fails, the old folder is put back.
+    """
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    moved_aside = False
+    if target.exists() or target.is_symlink():
+        os.replace(target, old)
+        moved_aside = True
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if moved_aside and not target.exists():
+            with contextlib.suppress(OSError):
+                os.replace(old, target)
+        raise
+    _fsync_dir(target.parent)
+    if moved_aside:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 # Writers that wrap the OS error in their own exception (polars raises ComputeError "... No space left on device
 # (os error 28)") are recognized by the message.
 _DISK_FULL_TEXT = ("os error 28)", "os error 122)", "No space left on device", "Disk quota exceeded")

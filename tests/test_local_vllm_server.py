@@ -39,8 +39,13 @@ print("sigint handler", signal.getsignal(signal.SIGINT), flush=True)
 if mode == "hang":
     time.sleep(3600)
 
+required = os.environ.get("FAKE_VLLM_REQUIRED_KEY")  # like vLLM's AuthenticationMiddleware on /v1/*
+
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
+        if required and self.path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {required}":
+            self.send_response(401); self.end_headers(); self.wfile.write(b'{"error": "Unauthorized"}')
+            return
         body = json.dumps({"object": "list", "data": [{"id": args.served_model_name}]}).encode()
         self.send_response(200 if self.path == "/v1/models" else 404)
         self.send_header("Content-Type", "application/json"); self.end_headers(); self.wfile.write(body)
@@ -173,6 +178,48 @@ def test_port_in_use_and_reuse(tmp_path: Path, model_dir: Path, fake_env: dict[s
         other = _config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True, served_model_name="x")
         with pytest.raises(vs.VLLMServerError, match="not 'x'"):
             vs.LocalVLLMServer(other).start()
+
+
+def test_a_server_that_refuses_the_key_fails_at_once_without_showing_it(
+    tmp_path: Path,
+    model_dir: Path,
+    fake_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The health check sends the server's VLLM_API_KEY (from extra_env over the caller's environment, or an
+    --api-key in extra_args); a 401 fails start() at once with "the server requires an API key", never with the key
+    and not after the start-up timeout; the same for reusing a server on the port and for the status command."""
+    sent, required = "sk-sent-0123456789", "sk-required-0123456789"
+    monkeypatch.setenv("VLLM_API_KEY", sent)
+    enforcing = {**fake_env, "FAKE_VLLM_REQUIRED_KEY": required}
+    server = vs.LocalVLLMServer(_config(tmp_path, model_dir, enforcing, startup_timeout_s=60.0))
+    started = time.monotonic()
+    with pytest.raises(vs.VLLMServerError, match="the server requires an API key") as info:
+        server.start()
+    assert time.monotonic() - started < 20 and server.process is None
+    assert "refused the key" in str(info.value) and sent not in str(info.value) and required not in str(info.value)
+
+    config = _config(tmp_path, model_dir, {**enforcing, "VLLM_API_KEY": required})
+    assert config.api_key() == required
+    assert _config(tmp_path, model_dir, enforcing, extra_args=["--api-key", "k1"]).api_key() == "k1"
+    assert _config(tmp_path, model_dir, enforcing, extra_args=["--api-key=k2"]).api_key() == "k2"
+    with vs.LocalVLLMServer(config) as running:
+        assert running.healthy()
+        assert vs.list_models(running.base_url) is None
+        assert vs.list_models(running.base_url, api_key=required) == ["tiny"]
+        reuse = _config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True)  # sends `sent`
+        with pytest.raises(vs.VLLMServerError, match=r"cannot reuse .* requires an API key") as info:
+            vs.LocalVLLMServer(reuse).start()
+        assert sent not in str(info.value)
+        with pytest.raises(vs.VLLMServerError, match="already used by a server that answers 401"):
+            vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, port=config.port)).start()
+        assert vs.main(["status", "--port", str(config.port)]) == 1
+        assert "the server requires an API key" in capsys.readouterr().out
+        monkeypatch.setenv("VLLM_API_KEY", required)
+        assert vs.main(["status", "--port", str(config.port)]) == 0
+    log = (tmp_path / "logs" / f"vllm-{config.port}.log").read_text()
+    assert sent not in log and required not in log
 
 
 def test_missing_interpreter_and_model(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:

@@ -162,3 +162,71 @@ def test_dead_writers_temporary_files_and_folders_are_removed_and_live_ones_kept
     assert [p.name for p in storage.remove_dead_writers_temps(folder)] == [other]
     assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
     assert storage.remove_dead_writers_temps(tmp_path / "missing") == []
+
+
+def test_a_folder_is_replaced_atomically_and_dead_writers_temporaries_are_swept_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`evaluation.offline.save_untrained_draft` (a stub model: no torch) through `storage.replace_dir_atomic`, the
+    replacement `training.train._save_final` shares: a dead writer's `.untrained_draft.tmp-PID` / `.old-PID` are
+    swept before the save, a live writer's and other targets' are kept; the old draft stays whole at its name until
+    it is renamed aside (atomically) and the new one renamed into place; afterwards only the new draft is left. A
+    failed rename of the new folder puts the old one back."""
+    from eagle3_assets import storage
+    from eagle3_assets.evaluation import offline
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "draft_evaluation"
+    out = folder / "untrained_draft"
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"old weights")
+    (out / "config.json").write_text("{}")
+    stale = [f".untrained_draft.tmp-{dead.pid}", f".untrained_draft.old-{dead.pid}"]
+    kept = [".untrained_draft.tmp-1", f".report.json.tmp-{dead.pid}"]  # a live writer's; another target's
+    for name in [*stale, *kept]:
+        (folder / name).mkdir()
+        (folder / name / "model.safetensors").write_bytes(b"leftover")
+
+    class Stub:
+        def save_pretrained(self, path: str) -> None:
+            assert not any((folder / name).exists() for name in stale)  # swept before the save
+            Path(path).mkdir()
+            (Path(path) / "model.safetensors").write_bytes(b"new weights")
+            (Path(path) / "config.json").write_text('{"new": true}')
+
+    monkeypatch.setattr(offline, "build_untrained_like", lambda model, seed, init: Stub())
+    real_replace = os.replace
+    seen: list[tuple[str, str, bytes | None, bytes | None]] = []
+    aside = folder / f".untrained_draft.old-{os.getpid()}"
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        # at every rename: what is at the draft's name, and what is moved aside, each whole or absent
+        at_name = (out / "model.safetensors").read_bytes() if out.exists() else None
+        moved = (aside / "model.safetensors").read_bytes() if aside.exists() else None
+        seen.append((Path(src).name, Path(dst).name, at_name, moved))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert offline.save_untrained_draft(object(), out) == out
+    pid = os.getpid()
+    assert seen == [
+        ("untrained_draft", aside.name, b"old weights", None),  # the old draft is whole until it is moved aside
+        (f".untrained_draft.tmp-{pid}", "untrained_draft", None, b"old weights"),  # the new one goes in
+    ]
+    assert (out / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["untrained_draft", *kept])
+
+    # the new folder cannot be renamed in: the old one is put back, whole
+    tmp = folder / f".untrained_draft.tmp-{pid}"
+    tmp.mkdir()
+
+    def failing(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if Path(src) == tmp:
+            raise OSError(5, "injected rename failure")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="injected"):
+        storage.replace_dir_atomic(tmp, out)
+    assert (out / "model.safetensors").read_bytes() == b"new weights" and not aside.exists()

@@ -147,14 +147,6 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "hidden_states.extract._cleanup removes only .hs_*.safetensors.tmp-* and ._dataset.tmp-* leftovers: a kill "
-        "while token_freq.pt or eagle3_meta.json is written (storage.atomic_path) leaves .token_freq.pt.tmp-PID / "
-        ".eagle3_meta.json.tmp-PID in the partition folder for good (fix: storage.remove_dead_writers_temps(data_dir))"
-    ),
-)
 def test_temporary_files_of_a_killed_extraction_are_removed_by_the_next_run(
     prepared: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:

@@ -216,14 +216,6 @@ def test_local_vllm_server_gets_a_key_only_through_its_environment(
     assert SECRET not in log
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=vs.VLLMServerError,
-    reason=(
-        "local.vllm_server.list_models (the start-up health check) sends no Authorization header: a server given "
-        "VLLM_API_KEY, which vLLM enforces on /v1/*, answers 401 and start() waits until its timeout"
-    ),
-)
 def test_local_vllm_server_given_a_key_through_its_environment_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

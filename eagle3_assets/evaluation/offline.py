@@ -106,17 +106,27 @@ def _saved_k(model: Any) -> int:
 
 
 def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, init: str | None = None) -> Path:
-    """Build the seeded untrained twin of ``model`` and save it in speculators' format (for vLLM)."""
+    """Build the seeded untrained twin of ``model`` and save it in speculators' format (for vLLM).
+
+    Saved into ``.NAME.tmp-PID`` and put in place with `storage.replace_dir_atomic`: ``out_dir`` is always a whole
+    draft (the previous one until the new one is in place). Temporaries of killed earlier saves are swept first.
+    """
     import os
     import shutil
 
+    from eagle3_assets.storage import remove_dead_writers_temps, replace_dir_atomic
+
     untrained = build_untrained_like(model, seed, init)
     out_dir = Path(out_dir)
+    remove_dead_writers_temps(out_dir.parent, {out_dir.name})
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    untrained.save_pretrained(str(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    try:
+        untrained.save_pretrained(str(tmp))
+        replace_dir_atomic(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
 
 

@@ -50,6 +50,7 @@ from eagle3_assets.storage import (
     ensure_free_space,
     exclusive_lock,
     read_json,
+    remove_dead_writers_temps,
     write_json_atomic,
     write_parquet_atomic,
 )
@@ -266,6 +267,13 @@ def _save_token_freq(data_dir: Path, rows: list[_Row]) -> dict[int, int]:
 
 
 def _cleanup(data_dir: Path, n_rows: int) -> None:
+    """Remove what a killed run left (called under the partition lock): every atomic-write temporary of a dead
+    writer in the partition folder (``.token_freq.pt.tmp-PID``, ``.eagle3_meta.json.tmp-PID``, ...), any
+    ``._dataset.tmp-*`` / ``.hs_*.tmp-*`` leftover, and sample files of rows beyond the partition."""
+    remove_dead_writers_temps(data_dir)
+    # The lock makes this process the partition's only writer, so these go whatever their pid (a reused pid too).
+    for leftover in data_dir.glob("._dataset.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     hs_dir = data_dir / HS_SUBDIR
     if not hs_dir.is_dir():
         return
@@ -274,8 +282,6 @@ def _cleanup(data_dir: Path, n_rows: int) -> None:
         # half-written temp files from a killed run, and rows beyond the partition (responses shrank)
         if _TMP_FILE.match(entry.name) or (match and int(match.group(1)) >= n_rows):
             entry.unlink(missing_ok=True)
-    for leftover in data_dir.glob("._dataset.tmp-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def extract_partition(

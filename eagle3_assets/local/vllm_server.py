@@ -13,6 +13,12 @@ CLI (``python -m eagle3_assets.local.vllm_server`` / ``eagle3 serve-local``):
 * ``start --model DIR [--port P] [--pid-file F]``  detached; returns once ``/v1/models`` answers 200;
 * ``stop [--port P | --pid-file F]``  stops what ``start`` started;
 * ``status [--port P]``  exit 0 when a server answers on that port.
+
+API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
+process has ``VLLM_API_KEY`` in its environment (or is given ``--api-key``, which every user sees in ``ps``: pass
+the key through the environment instead). The health check sends the key the server was given, read from the
+server's environment (``extra_env`` over the caller's) or from an ``--api-key`` in ``extra_args``; it is never put on
+the command line, in the log or in an error message. A server that answers 401 fails ``start()`` at once.
 """
 
 from __future__ import annotations
@@ -120,16 +126,58 @@ def port_in_use(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def list_models(base_url: str, timeout_s: float = 5.0) -> list[str] | None:
-    """Model ids served at ``base_url`` (``http://host:port/v1``), or None if it does not answer 200."""
+API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
+
+
+def _probe_models(base_url: str, timeout_s: float, api_key: str | None) -> tuple[list[str] | None, int | None]:
+    """(model ids or None, HTTP status or None when nothing answered) of ``GET {base_url}/models``."""
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/models")
+    if api_key:
+        # Unredirected: a redirect to another host never carries the key along.
+        request.add_unredirected_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(f"{base_url.rstrip('/')}/models", timeout=timeout_s) as response:
-            if response.status != 200:
-                return None
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status = int(response.status)
+            if status != 200:
+                return None, status
             payload = json.loads(response.read().decode("utf-8"))
-    except (OSError, ValueError):  # URLError/HTTPError/timeouts are OSErrors; bad JSON is a ValueError
-        return None
-    return [str(item.get("id")) for item in payload.get("data", []) if isinstance(item, dict)]
+    except urllib.error.HTTPError as error:
+        error.close()
+        return None, int(error.code)
+    except (OSError, ValueError):  # URLError/timeouts are OSErrors; bad JSON is a ValueError
+        return None, None
+    if not isinstance(payload, dict):
+        return None, 200
+    return [str(item.get("id")) for item in payload.get("data", []) if isinstance(item, dict)], 200
+
+
+def list_models(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) -> list[str] | None:
+    """Model ids served at ``base_url`` (``http://host:port/v1``), or None if it does not answer 200.
+
+    ``api_key``: sent as ``Authorization: Bearer`` (a server started with ``VLLM_API_KEY`` answers 401 without it).
+    """
+    return _probe_models(base_url, timeout_s, api_key)[0]
+
+
+def _unauthorized_message(base_url: str, api_key: str | None) -> str:
+    """Why a 401 happened, without the key."""
+    sent = (
+        f"it refused the key that was sent (from {API_KEY_ENV} or --api-key)"
+        if api_key
+        else f"no key was sent (set {API_KEY_ENV} in the environment of the caller or in extra_env)"
+    )
+    return f"the server requires an API key: {base_url}/models answered 401 Unauthorized; {sent}"
+
+
+def _key_in_args(args: Sequence[str]) -> str | None:
+    """The value of an ``--api-key`` in vLLM arguments (``--api-key K`` or ``--api-key=K``), if any."""
+    args = [str(arg) for arg in args]
+    for i, arg in enumerate(args):
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1] or None
+        if arg == "--api-key" and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            return args[i + 1]
+    return None
 
 
 def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:
@@ -222,6 +270,11 @@ class VLLMServerConfig:
         env.update(self.extra_env)
         return env
 
+    def api_key(self) -> str | None:
+        """The key the server requires on ``/v1/*``, as vLLM picks it: ``--api-key`` in ``extra_args`` first,
+        else ``VLLM_API_KEY`` from the server's environment; None when it requires none."""
+        return _key_in_args(self.extra_args) or self.environment().get(API_KEY_ENV) or None
+
 
 _OPTION_ALIASES = {"model_dir": "model", "reuse_running": "reuse_existing", "reuse": "reuse_existing"}
 
@@ -270,7 +323,7 @@ class LocalVLLMServer:
         return self.config.model_name
 
     def healthy(self) -> bool:
-        models = list_models(self.base_url)
+        models = list_models(self.base_url, api_key=self.config.api_key())
         return models is not None and self.model_name in models
 
     def start(self) -> LocalVLLMServer:
@@ -278,7 +331,11 @@ class LocalVLLMServer:
             return self  # already running: starting twice must not leak the first process
         cfg = self.config
         if port_in_use(cfg.host, cfg.port):
-            models = list_models(cfg.base_url)
+            api_key = cfg.api_key()
+            models, status = _probe_models(cfg.base_url, 5.0, api_key)
+            if cfg.reuse_existing and status == 401:
+                why = _unauthorized_message(cfg.base_url, api_key)
+                raise VLLMServerError(f"cannot reuse the server on {cfg.host}:{cfg.port}: {why}")
             if cfg.reuse_existing and models is not None:
                 if cfg.model_name not in models:
                     raise VLLMServerError(
@@ -287,7 +344,12 @@ class LocalVLLMServer:
                 self.reused = True
                 self.startup_s = 0.0
                 return self
-            what = f"a vLLM server serving {models}" if models is not None else "another process"
+            if models is not None:
+                what = f"a vLLM server serving {models}"
+            elif status == 401:
+                what = f"a server that answers 401 ({_unauthorized_message(cfg.base_url, api_key)})"
+            else:
+                what = "another process"
             hint = " (pass reuse_existing / --reuse to use it)" if models is not None else ""
             raise VLLMServerError(f"port {cfg.host}:{cfg.port} is already used by {what}{hint}")
 
@@ -322,14 +384,18 @@ class LocalVLLMServer:
     def _wait_until_ready(self, started: float) -> None:
         assert self.process is not None and self.log_path is not None
         deadline = started + self.config.startup_timeout_s
+        api_key = self.config.api_key()
         while True:
             code = self.process.poll()
             if code is not None:
                 raise VLLMServerError(
                     f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
-            if self.healthy():
+            models, status = _probe_models(self.base_url, 5.0, api_key)
+            if models is not None and self.model_name in models:
                 return
+            if status == 401:  # the key is checked from the first request on: waiting cannot help
+                raise VLLMServerError(f"{_unauthorized_message(self.base_url, api_key)}; log {self.log_path}")
             if time.monotonic() > deadline:
                 raise VLLMServerError(
                     f"vLLM did not answer {self.base_url}/models within {self.config.startup_timeout_s:.0f} s; "
@@ -545,7 +611,11 @@ def _is_vllm_process(pid: int) -> bool:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     base_url = f"http://{args.host}:{args.port}/v1"
-    models = list_models(base_url)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    models, status = _probe_models(base_url, 5.0, api_key)
+    if status == 401:
+        print(_unauthorized_message(base_url, api_key))
+        return 1
     if models is None:
         print(f"no server answering at {base_url}")
         return 1

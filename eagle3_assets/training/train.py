@@ -41,6 +41,7 @@ from eagle3_assets.storage import (
     ensure_free_space,
     exclusive_lock,
     remove_dead_writers_temps,
+    replace_dir_atomic,
     write_json_atomic,
 )
 
@@ -431,11 +432,7 @@ def _save_final(model: Any, final_dir: Path, dtype: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     to_save = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
     to_save.save_pretrained(str(tmp))
-    old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
-    if final_dir.exists():
-        os.replace(final_dir, old)
-    os.replace(tmp, final_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir_atomic(tmp, final_dir)  # the old final/ moved aside, the new one renamed in, the old one removed
 
 
 # ------------------------------------------------------------------------------------------------ main
