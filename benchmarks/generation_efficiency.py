@@ -214,6 +214,10 @@ def main() -> None:
         f"{'streaming' if args.stream else 'non-streaming'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     )
 
+    # generate_partition imports polars lazily for the final Parquet; a Dagster process has it loaded already, and
+    # whichever transport ran first would be charged for the import
+    import polars  # noqa: F401
+
     rows: list[tuple[str, float, str]] = [("ideal sum(d)/C", ideal, ""), ("in-order ceiling", ceiling, "")]
     verdicts = []
     transports = [t for t in args.transports.split(",") if t]
@@ -256,7 +260,10 @@ def main() -> None:
     print(f"{'':42s} {'wall s':>8s} {'ideal/wall':>11s} {'ceiling/wall':>13s}")
     for name, wall, note in rows:
         print(f"{name:42s} {wall:8.2f} {ideal / wall:11.3f} {ceiling / wall:13.3f}  {note}")
-    print("\nacceptance 4 (request pool >= 0.97 of the in-order ceiling at <= 2 ms client CPU/request):")
+    print(
+        f"\nacceptance 4 (request pool >= 0.97 of the in-order ceiling at <= 2 ms client CPU/request; "
+        f"load now {os.getloadavg()[0]:.1f}):"
+    )
     print("\n".join(verdicts))
 
     sizes = [int(s) for s in args.memory_sizes.split(",") if s]

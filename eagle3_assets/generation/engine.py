@@ -27,8 +27,9 @@ from eagle3_assets.settings import ConfigError
 Log = Callable[[str], None]
 
 
-def backoff_delay(attempt: int, config: GenerationConfig, retry_after_s: float | None = None,
-                  rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, config: GenerationConfig, retry_after_s: float | None = None, rng: random.Random | None = None
+) -> float:
     """Exponential backoff with 'equal jitter': half fixed, half random, capped; honours Retry-After."""
     ceiling = min(config.backoff_max_s, config.backoff_base_s * 2 ** (attempt - 1))
     delay = ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
@@ -92,8 +93,9 @@ class Engine:
         self.progress_prefix = progress_prefix
         self.already_done = already_done
         self.rng = rng or random.Random()
-        self.pool = EndpointPool(config.base_urls, config.endpoint_cap, config.bench_after_failures, config.bench_s,
-                                 log=log)
+        self.pool = EndpointPool(
+            config.base_urls, config.endpoint_cap, config.bench_after_failures, config.bench_s, log=log
+        )
         for endpoint in self.pool.endpoints:
             if unhealthy and endpoint.url in unhealthy:
                 self.pool.bench(endpoint, f"preflight failed ({unhealthy[endpoint.url]})")
@@ -101,6 +103,7 @@ class Engine:
         self.request_fields = config.request_fields()
         # extra sampling fields go straight into the JSON body (vLLM reads top_k, min_p, ... there)
         self.sampling_json = json.dumps(self.params, sort_keys=True)
+        self._display_urls = {url: display_url(url) for url in config.base_urls}  # once, not per record
         self.stats = EngineStats()
         self._ready: deque[_Item] = deque()
         self._in_flight = 0
@@ -166,8 +169,9 @@ class Engine:
         body = item.body
         deadline = self.config.request_timeout_s
         try:
-            completion = await self.transports[endpoint.url].complete(body, stream=self.config.stream,
-                                                                      deadline_s=deadline)
+            completion = await self.transports[endpoint.url].complete(
+                body, stream=self.config.stream, deadline_s=deadline
+            )
         except RequestFailed as failure:
             self.pool.release(endpoint, server_failure=failure.retryable)
             self._after_failure(item, endpoint, failure, time.monotonic() - started)
@@ -206,8 +210,15 @@ class Engine:
         self._ready.appendleft(item)  # retries first: they are the oldest samples, finish them soonest
         self._wake.set()
 
-    def _finish(self, item: _Item, endpoint: Endpoint, latency: float, *, completion: Completion | None = None,
-                error: str | None = None) -> None:
+    def _finish(
+        self,
+        item: _Item,
+        endpoint: Endpoint,
+        latency: float,
+        *,
+        completion: Completion | None = None,
+        error: str | None = None,
+    ) -> None:
         item.body = None
         stats = self.stats
         ok = completion is not None
@@ -223,7 +234,7 @@ class Engine:
             "prompt_token_ids": completion.prompt_token_ids if ok else None,
             "completion_token_ids": completion.completion_token_ids if ok else None,
             "latency_s": round(latency, 4),
-            "endpoint": display_url(endpoint.url),
+            "endpoint": self._display_urls.get(endpoint.url) or display_url(endpoint.url),
             "attempts": item.attempts,
             "model": (completion.model if ok else None) or self.model,
             "sampling_params": self.sampling_json,
@@ -274,8 +285,11 @@ class Engine:
             self.log(self.progress_line())
 
 
-async def preflight(transports: Mapping[str, Transport], config: GenerationConfig, log: Log,
-                    ) -> tuple[str, dict[str, str]]:
+async def preflight(
+    transports: Mapping[str, Transport],
+    config: GenerationConfig,
+    log: Log,
+) -> tuple[str, dict[str, str]]:
     """GET /v1/models on every endpoint before the pool starts; returns the model to request and the
     endpoints that did not answer (url -> error), which start benched so the first wave avoids them.
 
@@ -325,8 +339,9 @@ async def preflight(transports: Mapping[str, Transport], config: GenerationConfi
     raise RuntimeError(f"could not find the served model via GET /v1/models: {last}")
 
 
-async def _warm_connections(transports: Mapping[str, Transport], config: GenerationConfig,
-                            unhealthy: Mapping[str, str]) -> None:
+async def _warm_connections(
+    transports: Mapping[str, Transport], config: GenerationConfig, unhealthy: Mapping[str, str]
+) -> None:
     """Open each healthy endpoint's keep-alive connections before the pool starts (cheap GETs of /v1/models).
 
     Why: the first wave of C requests would otherwise pay C TCP handshakes and connection setups at the same

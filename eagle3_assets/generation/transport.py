@@ -1,11 +1,12 @@
 """How requests reach an endpoint. Two interchangeable transports with the same classification:
 
-- ``"openai"`` (default): ``openai.AsyncOpenAI`` with its aiohttp HTTP client, ``max_retries=0``; the raw
-  response is parsed here (see :mod:`eagle3_assets.generation.client`).
-- ``"aiohttp"``: one ``aiohttp.ClientSession`` per endpoint, no SDK. Measured on these 2-core machines the
-  SDK's request machinery (option models, header and URL objects, the httpx2 layer) costs ~1 ms of CPU per
-  request more; at C=128 that is the difference between meeting the 2 ms/request budget or not (see
-  ``benchmarks/generation_efficiency.py``, which runs both).
+- ``"openai"`` (default): ``openai.AsyncOpenAI`` (:class:`~eagle3_assets.generation.client.EngineAsyncOpenAI`,
+  ``max_retries=0``) over an httpx2 client with a lean aiohttp transport; the raw response is parsed here (see
+  :mod:`eagle3_assets.generation.client`).
+- ``"aiohttp"``: one ``aiohttp.ClientSession`` per endpoint, no SDK. Measured on these 2-core machines the SDK's
+  request machinery (``AsyncOpenAI.request``, the httpx2 client and its request/response objects) still costs
+  ~0.5-0.7 ms of CPU per request more: ~1.3-1.9 ms against ~0.85-1.25 ms for the whole call at C=128, depending
+  on how busy the machine is (``benchmarks/generation_efficiency.py`` runs both side by side).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import httpx2
 
 from eagle3_assets.generation.client import (
+    READ_BUFSIZE,
     Completion,
     RequestFailed,
     classify,
@@ -30,7 +32,6 @@ from eagle3_assets.generation.client import (
 from eagle3_assets.generation.config import GenerationConfig
 
 TRANSPORTS = ("openai", "aiohttp")
-_READ_BUFSIZE = 32 * 2**20
 
 
 class Transport(Protocol):
@@ -90,8 +91,9 @@ class AiohttpTransport:
             connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=60)
             # A read buffer far above any response (8k tokens streamed one per chunk is ~2 MB): wait_eof() below
             # relies on aiohttp never pausing the socket for a full buffer, since nothing drains it meanwhile.
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers,
-                                                  read_bufsize=_READ_BUFSIZE)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, headers=self._headers, read_bufsize=READ_BUFSIZE
+            )
         return self._session
 
     async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
@@ -155,8 +157,9 @@ def make_transports(config: GenerationConfig) -> dict[str, Transport]:
     kind = {"openai": OpenAITransport, "aiohttp": AiohttpTransport}[config.transport]
     read_s = config.idle_timeout_s if config.stream else config.request_timeout_s
     return {
-        url: kind(url, config.api_key, connect_s=config.connect_timeout_s, read_s=read_s,
-                  max_connections=config.endpoint_cap)
+        url: kind(
+            url, config.api_key, connect_s=config.connect_timeout_s, read_s=read_s, max_connections=config.endpoint_cap
+        )
         for url in config.base_urls
     }
 
