@@ -189,8 +189,14 @@ def prompt_token_ids(key: str, count: int) -> list[int]:
 
 # --------------------------------------------------------------------------------------------- HTTP
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 429: "Too Many Requests",
-            500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+}
 
 
 def _head(status: int, content_type: str, length: int | None) -> bytes:
@@ -323,8 +329,15 @@ class _Connection(asyncio.Protocol):
         if method == "GET" and path == "/v1/models":
             data = {
                 "object": "list",
-                "data": [{"id": app.config.model, "object": "model", "created": app.created, "owned_by": "fake",
-                          "max_model_len": app.config.max_model_len}],
+                "data": [
+                    {
+                        "id": app.config.model,
+                        "object": "model",
+                        "created": app.created,
+                        "owned_by": "fake",
+                        "max_model_len": app.config.max_model_len,
+                    }
+                ],
             }
             self.respond(200, json.dumps(data).encode())
         elif method == "GET" and path in {"/health", "/ping"}:
@@ -408,9 +421,9 @@ class _Connection(asyncio.Protocol):
             "object": "chat.completion",
             "created": int(time.time()),
             "model": c.config.model,
-            "choices": [] if c.fault == "empty_choices" else [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish, "stop_reason": None}
-            ],
+            "choices": []
+            if c.fault == "empty_choices"
+            else [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish, "stop_reason": None}],
             "usage": {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n},
             "prompt_logprobs": None,
         }
@@ -463,16 +476,20 @@ class _Connection(asyncio.Protocol):
                 upto = min(ready, n_reasoning)
                 if field_name != "none":
                     text = token_text(c.key, sent, upto - sent)
-                    parts.append(f'[{{"index":0,"delta":{{"{field_name}":{json.dumps(text)}}},'
-                                 f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n')
+                    parts.append(
+                        f'[{{"index":0,"delta":{{"{field_name}":{json.dumps(text)}}},'
+                        f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n'
+                    )
                 sent = upto
             if ready > sent:
                 text = token_text(c.key, sent, ready - sent)
-                parts.append(f'[{{"index":0,"delta":{{"content":{json.dumps(text)}}},'
-                             f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n')
+                parts.append(
+                    f'[{{"index":0,"delta":{{"content":{json.dumps(text)}}},'
+                    f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n'
+                )
                 sent = ready
             if c.fault == "empty_choices":
-                parts = ['[]}\n\n']
+                parts = ["[]}\n\n"]
             self.write(b"".join(_chunk(prefix + p.encode()) for p in parts))
         if cut is not None:
             if c.fault == "reset":
@@ -488,11 +505,14 @@ class _Connection(asyncio.Protocol):
             return
         tail = []
         if c.fault != "empty_choices":
-            tail.append(prefix + f'[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{c.finish}",'
-                                 f'"stop_reason":null}}]}}\n\n'.encode())
+            tail.append(
+                prefix
+                + f'[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{c.finish}",'
+                f'"stop_reason":null}}]}}\n\n'.encode()
+            )
         if c.include_usage:
             usage = {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n}
-            tail.append(prefix + b"[],\"usage\":" + json.dumps(usage).encode() + b"}\n\n")
+            tail.append(prefix + b'[],"usage":' + json.dumps(usage).encode() + b"}\n\n")
         tail.append(b"data: [DONE]\n\n")
         self.write(b"".join(_chunk(t) for t in tail) + b"0\r\n\r\n")
         if c.fault is None:
@@ -603,8 +623,12 @@ class FakeServerProcess:
 
     def start(self) -> FakeServerProcess:
         cmd = [sys.executable, "-m", "eagle3_assets.fake_vllm", "--host", self.host, "--port", "0"]
-        self.proc = subprocess.Popen(cmd + config_to_args(self.config), stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd + config_to_args(self.config),
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("READY "):
@@ -682,8 +706,9 @@ def get_json(url: str) -> Any:
 def post_json(url: str, payload: Any = None) -> Any:
     import urllib.request
 
-    request = urllib.request.Request(url, data=json.dumps(payload or {}).encode(), method="POST",
-                                      headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(payload or {}).encode(), method="POST", headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 

@@ -46,8 +46,9 @@ def make_server() -> Iterator:
 
 
 def chat(client: httpx.Client, messages: list[dict[str, str]] = MESSAGES, **body: object) -> httpx.Response:
-    return client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages,
-                                                     "max_tokens": 1000, **body})
+    return client.post(
+        "/v1/chat/completions", json={"model": "fake-model", "messages": messages, "max_tokens": 1000, **body}
+    )
 
 
 def sse_events(text: str) -> list[object]:
@@ -160,8 +161,11 @@ def test_each_fault_kind(make_server, stream: bool) -> None:
         body = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         if kind == "hang":
             with pytest.raises(httpx.ReadTimeout):
-                client.post("/v1/chat/completions", timeout=httpx.Timeout(10, read=0.3),
-                            json={"model": "fake-model", "messages": MESSAGES, "max_tokens": 100, **body})
+                client.post(
+                    "/v1/chat/completions",
+                    timeout=httpx.Timeout(10, read=0.3),
+                    json={"model": "fake-model", "messages": MESSAGES, "max_tokens": 100, **body},
+                )
             continue
         if kind in ("reset", "truncate") and not (stream and kind == "truncate"):
             with pytest.raises(httpx.TransportError):
@@ -175,7 +179,7 @@ def test_each_fault_kind(make_server, stream: bool) -> None:
         elif stream:
             events = sse_events(response.text) if kind != "invalid_json" else response.text
             if kind == "truncate":  # a clean end of the body with no finish_reason and no [DONE]
-                assert "[DONE]" not in events and "finish_reason\":\"stop" not in response.text
+                assert "[DONE]" not in events and 'finish_reason":"stop' not in response.text
             elif kind == "invalid_json":
                 with pytest.raises(ValueError):
                     sse_events(events)
@@ -203,7 +207,13 @@ def test_faults_are_deterministic_and_follow_their_rates() -> None:
 
 
 def test_command_line_round_trip() -> None:
-    config = FakeConfig(token_rate=123.0, median_tokens=45.0, reasoning_field="none", api_key="x", seed=3,
-                        faults={"hang": 0.01, "error_429": 0.2})
+    config = FakeConfig(
+        token_rate=123.0,
+        median_tokens=45.0,
+        reasoning_field="none",
+        api_key="x",
+        seed=3,
+        faults={"hang": 0.01, "error_429": 0.2},
+    )
     parsed, host, port = parse_args(["--port", "0", *config_to_args(config)])
     assert parsed == config and port == 0 and host == "127.0.0.1"

@@ -32,16 +32,28 @@ ACCEPTANCE_FAULTS = {"error_500": 0.05, "error_429": 0.02, "reset": 0.02, "hang"
 
 def make_prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
     return [
-        PromptToGenerate(f"{tag}-{i:05d}", [{"role": "system", "content": "Think, then answer."},
-                                           {"role": "user", "content": f"{tag} question number {i}"}])
+        PromptToGenerate(
+            f"{tag}-{i:05d}",
+            [
+                {"role": "system", "content": "Think, then answer."},
+                {"role": "user", "content": f"{tag} question number {i}"},
+            ],
+        )
         for i in range(n)
     ]
 
 
 def fast_config(*urls: str, **overrides: object) -> GenerationConfig:
     values: dict[str, object] = dict(
-        base_urls=list(urls), concurrency=64, max_tokens=2000, request_timeout_s=2.0, idle_timeout_s=1.0,
-        backoff_base_s=0.02, backoff_max_s=0.3, bench_after_failures=1000, fsync_interval_s=0.2,
+        base_urls=list(urls),
+        concurrency=64,
+        max_tokens=2000,
+        request_timeout_s=2.0,
+        idle_timeout_s=1.0,
+        backoff_base_s=0.02,
+        backoff_max_s=0.3,
+        bench_after_failures=1000,
+        fsync_interval_s=0.2,
         progress_interval_s=1.0,
     )
     values.update(overrides)
@@ -72,8 +84,9 @@ def expected_texts(prompt: PromptToGenerate, fake: FakeConfig, max_tokens: int) 
 # ------------------------------------------------------------------------------------ acceptance 1
 
 
-@pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=60, hang_s=60,
-                                               faults=ACCEPTANCE_FAULTS)], indirect=True)
+@pytest.mark.parametrize(
+    "server", [FakeConfig(token_rate=5000, median_tokens=60, hang_s=60, faults=ACCEPTANCE_FAULTS)], indirect=True
+)
 def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, layout: DataLayout) -> None:
     prompts = make_prompts(1000)
     logs: list[str] = []
@@ -102,27 +115,42 @@ def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProce
         reasoning, content, n, finish = expected_texts(prompts[i], fake, 2000)
         row = frame.row(i, named=True)
         assert (row["reasoning"], row["content"], row["completion_tokens"], row["finish_reason"]) == (
-            reasoning, content, n, finish)
+            reasoning,
+            content,
+            n,
+            finish,
+        )
     assert any(line.startswith(f"synthetic_responses {KEY} progress:") for line in logs)
     assert completeness_check(layout.responses_path(KEY), [p.sample_id for p in prompts]).passed
     assert error_rate_check(layout.responses_path(KEY)).passed
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=40, hang_s=60, stream_interval_s=0.01,
-                                               faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02,
-                                                       "non_completion": 0.02, "empty_choices": 0.02})],
-                         indirect=True)
-def test_every_fault_kind_is_retried_streaming_or_not(server: FakeServerProcess, layout: DataLayout,
-                                                      stream: bool) -> None:
+@pytest.mark.parametrize(
+    "server",
+    [
+        FakeConfig(
+            token_rate=5000,
+            median_tokens=40,
+            hang_s=60,
+            stream_interval_s=0.01,
+            faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02},
+        )
+    ],
+    indirect=True,
+)
+def test_every_fault_kind_is_retried_streaming_or_not(
+    server: FakeServerProcess, layout: DataLayout, stream: bool
+) -> None:
     prompts = make_prompts(300, tag=f"s{int(stream)}")
     result = generate_partition(prompts, KEY, layout, fast_config(server.base_url, stream=stream), log=lambda _m: None)
     frame = read_rows(layout)
     assert frame.height == 300 and frame["sample_id"].n_unique() == 300
     assert result.ok == 300 and result.failed == 0
     outcomes = server.stats()["outcomes"]
-    assert all(outcomes.get(kind, 0) > 0 for kind in ("invalid_json", "non_completion", "empty_choices", "reset")), \
+    assert all(outcomes.get(kind, 0) > 0 for kind in ("invalid_json", "non_completion", "empty_choices", "reset")), (
         outcomes
+    )
     reasons = " ".join(result.retry_reasons)
     assert "HTTP 500" in reasons and "HTTP 429" in reasons
 
@@ -131,8 +159,9 @@ def test_every_fault_kind_is_retried_streaming_or_not(server: FakeServerProcess,
 
 
 @pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=40, max_model_len=500)], indirect=True)
-def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(server: FakeServerProcess,
-                                                                         layout: DataLayout) -> None:
+def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(
+    server: FakeServerProcess, layout: DataLayout
+) -> None:
     prompts = make_prompts(98)
     long_text = "word " * 800
     prompts += [PromptToGenerate(f"long-{i}", [{"role": "user", "content": long_text + str(i)}]) for i in range(2)]
@@ -144,8 +173,10 @@ def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(server: 
     failed = frame.filter(pl.col("status") == "failed")
     assert sorted(failed["sample_id"]) == ["long-0", "long-1"]
     for row in failed.iter_rows(named=True):
-        assert row["error"].startswith("HTTP 400: This model's maximum context length is 500 tokens. However, your "
-                                       "prompt contains 805 input tokens")
+        assert row["error"].startswith(
+            "HTTP 400: This model's maximum context length is 500 tokens. However, your "
+            "prompt contains 805 input tokens"
+        )
         assert row["attempts"] == 1 and row["content"] is None
     requests = server.stats()["requests"]
     for prompt in prompts[-2:]:
@@ -175,8 +206,9 @@ def shape_server(request: pytest.FixtureRequest) -> Iterator[tuple[FakeConfig, s
 
 @pytest.mark.parametrize("transport", ["openai", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_acceptance5_reasoning_shapes(shape_server: tuple[FakeConfig, str], stream: bool, transport: str,
-                                      layout: DataLayout) -> None:
+def test_acceptance5_reasoning_shapes(
+    shape_server: tuple[FakeConfig, str], stream: bool, transport: str, layout: DataLayout
+) -> None:
     fake, url = shape_server
     field = fake.reasoning_field
     prompts = make_prompts(20, tag=field)
@@ -203,8 +235,9 @@ def test_acceptance5_reasoning_shapes(shape_server: tuple[FakeConfig, str], stre
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_token_ids_are_not_requested_when_switched_off(server: FakeServerProcess, stream: bool,
-                                                       layout: DataLayout) -> None:
+def test_token_ids_are_not_requested_when_switched_off(
+    server: FakeServerProcess, stream: bool, layout: DataLayout
+) -> None:
     config = fast_config(server.base_url, stream=stream, return_token_ids=False)
     assert "return_token_ids" not in config.request_fields()
     result = generate_partition(make_prompts(5), KEY, layout, config, log=lambda _m: None)
@@ -214,10 +247,10 @@ def test_token_ids_are_not_requested_when_switched_off(server: FakeServerProcess
 
 
 def test_truncated_samples_are_counted(server: FakeServerProcess, layout: DataLayout) -> None:
-    prompts = [PromptToGenerate(f"t{i}", [{"role": "user", "content": f"[[fake_tokens={50 + 100 * i}]] go"}])
-               for i in range(4)]
-    result = generate_partition(prompts, KEY, layout, fast_config(server.base_url, max_tokens=200),
-                                log=lambda _m: None)
+    prompts = [
+        PromptToGenerate(f"t{i}", [{"role": "user", "content": f"[[fake_tokens={50 + 100 * i}]] go"}]) for i in range(4)
+    ]
+    result = generate_partition(prompts, KEY, layout, fast_config(server.base_url, max_tokens=200), log=lambda _m: None)
     assert (result.ok, result.truncated) == (4, 2)
     assert read_rows(layout)["finish_reason"].to_list() == ["stop", "stop", "length", "length"]
     assert read_rows(layout)["completion_tokens"].to_list() == [50, 150, 200, 200]
@@ -274,8 +307,10 @@ def test_samples_that_left_the_partition_are_dropped(server: FakeServerProcess, 
 
 
 def test_second_writer_of_a_partition_is_refused(server: FakeServerProcess, layout: DataLayout) -> None:
-    with storage.exclusive_lock(layout.lock_path("synthetic_responses", KEY), "test holder"), \
-            pytest.raises(storage.PartitionBusyError, match="synthetic_responses partition 00000"):
+    with (
+        storage.exclusive_lock(layout.lock_path("synthetic_responses", KEY), "test holder"),
+        pytest.raises(storage.PartitionBusyError, match="synthetic_responses partition 00000"),
+    ):
         generate_partition(make_prompts(3), KEY, layout, fast_config(server.base_url), log=lambda _m: None)
     assert server.stats()["total_requests"] == 0
 
@@ -289,8 +324,7 @@ def test_duplicate_sample_ids_are_rejected(layout: DataLayout) -> None:
 # ------------------------------------------------------------------------------------- endpoints, keys
 
 
-def test_dead_endpoint_is_benched_and_the_live_one_does_the_work(server: FakeServerProcess,
-                                                                 layout: DataLayout) -> None:
+def test_dead_endpoint_is_benched_and_the_live_one_does_the_work(server: FakeServerProcess, layout: DataLayout) -> None:
     dead = "http://127.0.0.1:9/v1"  # discard port: connection refused at once
     config = fast_config(dead, server.base_url, model="fake-model", bench_after_failures=3, bench_s=60)
     logs: list[str] = []
@@ -321,8 +355,13 @@ SECRET = "sk-test-very-secret-key"
 @pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=30, api_key=SECRET)], indirect=True)
 def test_api_key_is_sent_and_never_written(server: FakeServerProcess, layout: DataLayout, transport: str) -> None:
     logs: list[str] = []
-    result = generate_partition(make_prompts(20), KEY, layout,
-                                fast_config(server.base_url, api_key=SECRET, transport=transport), log=logs.append)
+    result = generate_partition(
+        make_prompts(20),
+        KEY,
+        layout,
+        fast_config(server.base_url, api_key=SECRET, transport=transport),
+        log=logs.append,
+    )
     assert result.ok == 20
     assert SECRET not in "\n".join(logs) and SECRET not in repr(result)
     for path in layout.root.rglob("*"):
@@ -330,18 +369,31 @@ def test_api_key_is_sent_and_never_written(server: FakeServerProcess, layout: Da
             assert SECRET.encode() not in path.read_bytes(), path
 
     with pytest.raises(RuntimeError, match="API key") as caught:
-        generate_partition(make_prompts(5, tag="w"), "00001", layout,
-                           fast_config(server.base_url, api_key="wrong-key-123", transport=transport),
-                           log=logs.append)
+        generate_partition(
+            make_prompts(5, tag="w"),
+            "00001",
+            layout,
+            fast_config(server.base_url, api_key="wrong-key-123", transport=transport),
+            log=logs.append,
+        )
     assert "wrong-key-123" not in str(caught.value)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=40, hang_s=60, max_model_len=300,
-                                               stream_interval_s=0.01,
-                                               faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02,
-                                                       "non_completion": 0.02, "empty_choices": 0.02})],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "server",
+    [
+        FakeConfig(
+            token_rate=5000,
+            median_tokens=40,
+            hang_s=60,
+            max_model_len=300,
+            stream_interval_s=0.01,
+            faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02},
+        )
+    ],
+    indirect=True,
+)
 def test_aiohttp_transport_has_the_same_semantics(server: FakeServerProcess, layout: DataLayout, stream: bool) -> None:
     prompts = make_prompts(300, tag=f"a{int(stream)}")
     prompts.append(PromptToGenerate("too-long", [{"role": "user", "content": "word " * 400}]))
@@ -354,8 +406,9 @@ def test_aiohttp_transport_has_the_same_semantics(server: FakeServerProcess, lay
     assert failed["error"].startswith("HTTP 400: This model's maximum context length is 300 tokens")
     assert failed["attempts"] == 1
     outcomes = server.stats()["outcomes"]
-    assert all(outcomes.get(kind, 0) > 0 for kind in ("error_500", "reset", "hang", "truncate", "invalid_json")), \
+    assert all(outcomes.get(kind, 0) > 0 for kind in ("error_500", "reset", "hang", "truncate", "invalid_json")), (
         outcomes
+    )
     fake = FakeConfig(token_rate=5000, median_tokens=40)
     reasoning, content, n, _ = expected_texts(prompts[5], fake, 2000)
     row = frame.row(5, named=True)

@@ -60,8 +60,13 @@ def test_acceptance2_sigkill_mid_partition_then_resume_requests_only_the_missing
     fake = FakeConfig(token_rate=1000, median_tokens=150, sigma=0.8)
     with FakeServerProcess(fake) as server:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        child = subprocess.Popen([sys.executable, str(script), server.base_url, str(layout.root), str(N)],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen(
+            [sys.executable, str(script), server.base_url, str(layout.root), str(N)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 60
             while _complete_lines(journal_path) < 300:

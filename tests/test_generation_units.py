@@ -59,7 +59,10 @@ def test_config_defaults_and_sampling_params() -> None:
     assert config.endpoint_cap == 128
     assert config.sampling_params() == {"max_tokens": 8000, "seed": 7, "top_k": 20}  # unset: the model's defaults
     assert GenerationConfig(base_urls=[URL], temperature=0.6, top_p=0.95).sampling_params() == {
-        "max_tokens": 8000, "temperature": 0.6, "top_p": 0.95}
+        "max_tokens": 8000,
+        "temperature": 0.6,
+        "top_p": 0.95,
+    }
     with pytest.raises(ConfigError, match="extra_sampling="):
         GenerationConfig(base_urls=[URL], extra_sampling={"stream": True})
 
@@ -79,8 +82,15 @@ def test_display_url_drops_credentials() -> None:
 
 def _record(sample_id: str, status: str = "ok", **extra: object) -> dict[str, object]:
     base = dict.fromkeys(COLUMNS)
-    base.update(sample_id=sample_id, partition_key="00000", status=status,
-                messages=[{"role": "user", "content": "q"}], attempts=1, latency_s=0.1, finished_at=1.0)
+    base.update(
+        sample_id=sample_id,
+        partition_key="00000",
+        status=status,
+        messages=[{"role": "user", "content": "q"}],
+        attempts=1,
+        latency_s=0.1,
+        finished_at=1.0,
+    )
     base.update(extra)
     return base
 
@@ -132,17 +142,26 @@ def test_rows_to_frame_has_the_exact_schema() -> None:
 
 
 def _completion(message: dict[str, object], finish: str | None = "stop", choices: bool = True) -> bytes:
-    return json.dumps({
-        "id": "x", "object": "chat.completion", "model": "m",
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}] if choices else [],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 5},
-    }).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}] if choices else [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+        }
+    ).encode()
 
 
 def test_parse_reads_reasoning_then_legacy_reasoning_content() -> None:
     new = parse_completion(_completion({"role": "assistant", "content": "A", "reasoning": "R"}))
     assert (new.reasoning, new.content, new.finish_reason, new.prompt_tokens, new.completion_tokens) == (
-        "R", "A", "stop", 3, 5)
+        "R",
+        "A",
+        "stop",
+        3,
+        5,
+    )
     legacy = parse_completion(_completion({"role": "assistant", "content": "A", "reasoning_content": "L"}))
     assert legacy.reasoning == "L"
     both = parse_completion(_completion({"content": "A", "reasoning": None, "reasoning_content": "L"}))
@@ -176,16 +195,25 @@ def _sse(state: _StreamState, *events: object) -> None:
 def test_stream_state_joins_deltas_in_both_shapes() -> None:
     for name in ("reasoning", "reasoning_content"):
         state = _StreamState()
-        _sse(state,
-             {"choices": [{"delta": {"role": "assistant", "content": ""}}], "model": "m"},
-             {"choices": [{"delta": {name: "thi"}}]}, {"choices": [{"delta": {name: "nk"}}]},
-             {"choices": [{"delta": {"content": "ans"}}]}, {"choices": [{"delta": {"content": "wer"}}]},
-             {"choices": [{"delta": {}, "finish_reason": "length"}]},
-             {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}}, b"[DONE]")
+        _sse(
+            state,
+            {"choices": [{"delta": {"role": "assistant", "content": ""}}], "model": "m"},
+            {"choices": [{"delta": {name: "thi"}}]},
+            {"choices": [{"delta": {name: "nk"}}]},
+            {"choices": [{"delta": {"content": "ans"}}]},
+            {"choices": [{"delta": {"content": "wer"}}]},
+            {"choices": [{"delta": {}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 9}},
+            b"[DONE]",
+        )
         result = state.result()
         assert state.done
         assert (result.reasoning, result.content, result.finish_reason, result.completion_tokens) == (
-            "think", "answer", "length", 9)
+            "think",
+            "answer",
+            "length",
+            9,
+        )
 
 
 def test_stream_without_finish_reason_is_a_retryable_truncation() -> None:
@@ -196,8 +224,9 @@ def test_stream_without_finish_reason_is_a_retryable_truncation() -> None:
     assert caught.value.retryable
 
 
-@pytest.mark.parametrize("event", [b'{"choices": [{"delta"', b'{"status": "ok"}', b'"text"',
-                                   b'{"error": {"message": "engine died"}}'])
+@pytest.mark.parametrize(
+    "event", [b'{"choices": [{"delta"', b'{"status": "ok"}', b'"text"', b'{"error": {"message": "engine died"}}']
+)
 def test_bad_stream_events_are_retryable(event: bytes) -> None:
     with pytest.raises(RequestFailed) as caught:
         _StreamState().feed(event)
@@ -214,9 +243,21 @@ def _status_error(status: int, body: object) -> openai.APIStatusError:
     return client._make_status_error_from_response(response)
 
 
-@pytest.mark.parametrize(("status", "retryable"), [(400, False), (401, False), (404, False), (422, False),
-                                                   (408, True), (409, True), (429, True), (500, True),
-                                                   (502, True), (503, True)])
+@pytest.mark.parametrize(
+    ("status", "retryable"),
+    [
+        (400, False),
+        (401, False),
+        (404, False),
+        (422, False),
+        (408, True),
+        (409, True),
+        (429, True),
+        (500, True),
+        (502, True),
+        (503, True),
+    ],
+)
 def test_status_classification(status: int, retryable: bool) -> None:
     failure = classify(_status_error(status, {"error": {"message": f"server says {status}"}}))
     assert failure.retryable is retryable and failure.status == status
@@ -230,9 +271,14 @@ def test_vllm_legacy_error_body_message_is_kept() -> None:
 
 def test_transport_errors_are_retryable() -> None:
     request = httpx2.Request("POST", URL)
-    for error in (openai.APITimeoutError(request), openai.APIConnectionError(request=request),
-                  httpx2.ReadTimeout("idle"), httpx2.RemoteProtocolError("peer closed"), TimeoutError(),
-                  ConnectionResetError("reset")):
+    for error in (
+        openai.APITimeoutError(request),
+        openai.APIConnectionError(request=request),
+        httpx2.ReadTimeout("idle"),
+        httpx2.RemoteProtocolError("peer closed"),
+        TimeoutError(),
+        ConnectionResetError("reset"),
+    ):
         assert classify(error).retryable, error
 
 
@@ -309,8 +355,15 @@ def test_partition_prompts_reads_one_partition_in_position_order(tmp_path: Path)
     with pytest.raises(FileNotFoundError, match="raw_prompts"):
         partition_prompts(layout, "00000")
     layout.prompts_path.parent.mkdir(parents=True)
-    rows = [{"sample_id": f"s{p}", "position": p, "partition_key": f"{p // 3:05d}",
-             "messages": [{"role": "user", "content": f"m{p}"}]} for p in (4, 0, 2, 1, 3, 5, 6)]
+    rows = [
+        {
+            "sample_id": f"s{p}",
+            "position": p,
+            "partition_key": f"{p // 3:05d}",
+            "messages": [{"role": "user", "content": f"m{p}"}],
+        }
+        for p in (4, 0, 2, 1, 3, 5, 6)
+    ]
     pl.DataFrame(rows).write_parquet(layout.prompts_path)
     prompts = partition_prompts(layout, "00001")
     assert [p.sample_id for p in prompts] == ["s3", "s4", "s5"]
@@ -319,11 +372,14 @@ def test_partition_prompts_reads_one_partition_in_position_order(tmp_path: Path)
 
 
 def _body_with_ids(prompt_ids: object, ids: object, prompt_tokens: int = 3, completion_tokens: int = 2) -> bytes:
-    return json.dumps({
-        "model": "m", "prompt_token_ids": prompt_ids,
-        "choices": [{"message": {"content": "x"}, "finish_reason": "stop", "token_ids": ids}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-    }).encode()
+    return json.dumps(
+        {
+            "model": "m",
+            "prompt_token_ids": prompt_ids,
+            "choices": [{"message": {"content": "x"}, "finish_reason": "stop", "token_ids": ids}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+        }
+    ).encode()
 
 
 def test_token_ids_are_parsed_and_checked_against_usage() -> None:
@@ -332,10 +388,12 @@ def test_token_ids_are_parsed_and_checked_against_usage() -> None:
     # absent (a server without return_token_ids): None, not an error
     assert parse_completion(_body_with_ids(None, None)).completion_token_ids is None
     # a server that lies: ids that disagree with usage, or are not token ids, are a retryable bad body
-    for prompt_ids, ids, why in (([5, 6, 7], [8], "token_ids has 1 ids but usage says 2"),
-                                 ([5, 6], [8, 9], "prompt_token_ids has 2 ids but usage says 3"),
-                                 ([5, 6, 7], [8, "9"], "token_ids is not a list of non-negative integers"),
-                                 ([5, 6, -7], [8, 9], "prompt_token_ids is not a list of non-negative")):
+    for prompt_ids, ids, why in (
+        ([5, 6, 7], [8], "token_ids has 1 ids but usage says 2"),
+        ([5, 6], [8, 9], "prompt_token_ids has 2 ids but usage says 3"),
+        ([5, 6, 7], [8, "9"], "token_ids is not a list of non-negative integers"),
+        ([5, 6, -7], [8, 9], "prompt_token_ids is not a list of non-negative"),
+    ):
         with pytest.raises(RequestFailed, match=why) as caught:
             parse_completion(_body_with_ids(prompt_ids, ids))
         assert caught.value.retryable
@@ -343,8 +401,11 @@ def test_token_ids_are_parsed_and_checked_against_usage() -> None:
 
 def test_stream_token_ids_are_assembled_across_chunks() -> None:
     state = _StreamState()
-    state.feed(json.dumps({"model": "m", "prompt_token_ids": [1, 2], "choices": [
-        {"delta": {"reasoning": "a"}, "token_ids": [3, 4]}]}).encode())
+    state.feed(
+        json.dumps(
+            {"model": "m", "prompt_token_ids": [1, 2], "choices": [{"delta": {"reasoning": "a"}, "token_ids": [3, 4]}]}
+        ).encode()
+    )
     state.feed(json.dumps({"choices": [{"delta": {"content": "b"}, "token_ids": [5]}]}).encode())
     state.feed(json.dumps({"choices": [{"delta": {}, "token_ids": [], "finish_reason": "stop"}]}).encode())
     state.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode())

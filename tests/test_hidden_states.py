@@ -286,11 +286,18 @@ def _with_served_ids(layout: DataLayout, key: str, tokenizer, rows: int, complet
             prompt_ids.append(None)
             completion_ids.append(None)
             continue
-        prompt_ids.append(list(tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True,
-                                                             tokenize=True, return_dict=False)))
+        prompt_ids.append(
+            list(
+                tokenizer.apply_chat_template(
+                    record["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        )
         completion_ids.append([completion_id or (7 + i), 11, 13 + i, 1])
-    frame = frame.with_columns(pl.Series("prompt_token_ids", prompt_ids, dtype=pl.List(pl.Int64)),
-                               pl.Series("completion_token_ids", completion_ids, dtype=pl.List(pl.Int64)))
+    frame = frame.with_columns(
+        pl.Series("prompt_token_ids", prompt_ids, dtype=pl.List(pl.Int64)),
+        pl.Series("completion_token_ids", completion_ids, dtype=pl.List(pl.Int64)),
+    )
     frame.write_parquet(path)
     return list(zip(prompt_ids, completion_ids, strict=True))
 
@@ -314,8 +321,9 @@ def test_served_token_ids_are_used_as_they_are(tmp_path: Path, verifier: Path, t
     assert check_token_ids(layout, "00000").passed
 
 
-def test_served_token_id_outside_the_verifier_vocabulary_names_the_sample(tmp_path: Path, verifier: Path,
-                                                                           tokenizer) -> None:
+def test_served_token_id_outside_the_verifier_vocabulary_names_the_sample(
+    tmp_path: Path, verifier: Path, tokenizer
+) -> None:
     layout = DataLayout.at(tmp_path)
     fabricate_responses(layout, "00000", 3)
     _with_served_ids(layout, "00000", tokenizer, rows=3, completion_id=10**6)

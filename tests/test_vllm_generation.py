@@ -67,8 +67,9 @@ def test_partition_of_50_against_real_vllm(
     assert (ok["prompt_token_ids"].list.len() == ok["prompt_tokens"]).all()
     assert (ok["completion_token_ids"].list.len() == ok["completion_tokens"]).all()
     first = ok.row(0, named=True)
-    rendered = tokenizer.apply_chat_template(first["messages"], add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+    rendered = tokenizer.apply_chat_template(
+        first["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert first["prompt_token_ids"] == list(rendered)
     assert all(ids[-1] == tokenizer.eos_token_id for ids in finished["completion_token_ids"].to_list())
     failed = frame.filter(pl.col("status") == "failed").row(0, named=True)

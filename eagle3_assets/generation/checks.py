@@ -39,9 +39,8 @@ def completeness_check(path: Path, expected_ids: Collection[str]) -> CheckOutcom
         "missing_examples": missing[:5],
         "unexpected_examples": unexpected[:5],
     }
-    description = (
-        f"{ids.len()} rows for {len(expected)} prompts"
-        + ("" if passed else f": {len(missing)} missing, {duplicates} duplicate rows, {len(unexpected)} unexpected")
+    description = f"{ids.len()} rows for {len(expected)} prompts" + (
+        "" if passed else f": {len(missing)} missing, {duplicates} duplicate rows, {len(unexpected)} unexpected"
     )
     return CheckOutcome(passed, description, metadata)
 
@@ -59,7 +58,15 @@ def error_rate_check(path: Path, max_error_rate: float = DEFAULT_MAX_ERROR_RATE)
     description = (
         f"{failed.height}/{rows} failed ({rate:.2%}, limit {max_error_rate:.2%}); {truncated} truncated at max_tokens"
     )
-    return CheckOutcome(passed, description, {
-        "rows": rows, "failed": failed.height, "error_rate": rate, "max_error_rate": max_error_rate,
-        "truncated": truncated, "top_errors": errors,
-    })
+    return CheckOutcome(
+        passed,
+        description,
+        {
+            "rows": rows,
+            "failed": failed.height,
+            "error_rate": rate,
+            "max_error_rate": max_error_rate,
+            "truncated": truncated,
+            "top_errors": errors,
+        },
+    )

@@ -11,9 +11,18 @@ from urllib.parse import urlparse, urlsplit, urlunsplit
 from eagle3_assets.settings import ConfigError
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
-_RESERVED = frozenset({
-    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "return_token_ids",
-})
+_RESERVED = frozenset(
+    {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "return_token_ids",
+    }
+)
 
 
 def display_url(url: str) -> str:
@@ -82,8 +91,15 @@ class GenerationConfig:
         cap = self.per_endpoint_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise _fail("per_endpoint_cap", cap, "must be a positive integer or None")
-        for name in ("request_timeout_s", "connect_timeout_s", "idle_timeout_s", "backoff_max_s", "bench_s",
-                     "fsync_interval_s", "progress_interval_s"):
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "idle_timeout_s",
+            "backoff_max_s",
+            "bench_s",
+            "fsync_interval_s",
+            "progress_interval_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise _fail(name, value, "must be a positive number of seconds")

@@ -97,14 +97,28 @@ async def _sync_loop(journal: Journal, interval: float) -> None:
         await loop.run_in_executor(None, journal.sync)
 
 
-async def _generate(todo: Sequence[PromptToGenerate], partition_key: str, config: GenerationConfig,
-                    journal: Journal, log: Log, already_done: int) -> tuple[EngineStats, str]:
+async def _generate(
+    todo: Sequence[PromptToGenerate],
+    partition_key: str,
+    config: GenerationConfig,
+    journal: Journal,
+    log: Log,
+    already_done: int,
+) -> tuple[EngineStats, str]:
     transports = make_transports(config)
     try:
         model, unhealthy = await preflight(transports, config, log)
-        engine = Engine(config, model, transports, journal.append, partition_key=partition_key, log=log,
-                        progress_prefix=f"synthetic_responses {partition_key} ", already_done=already_done,
-                        unhealthy=unhealthy)
+        engine = Engine(
+            config,
+            model,
+            transports,
+            journal.append,
+            partition_key=partition_key,
+            log=log,
+            progress_prefix=f"synthetic_responses {partition_key} ",
+            already_done=already_done,
+            unhealthy=unhealthy,
+        )
         syncer = asyncio.get_running_loop().create_task(_sync_loop(journal, config.fsync_interval_s))
         try:
             stats = await engine.run(todo)
@@ -204,8 +218,9 @@ def generate_partition(
         if todo:
             # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
             # the first journal write.
-            storage.ensure_free_space(journal_path.parent, _space_floor(todo),
-                                      f"synthetic_responses partition {partition_key}")
+            storage.ensure_free_space(
+                journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}"
+            )
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             try:
                 stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept)))
@@ -221,12 +236,22 @@ def generate_partition(
         frame = rows_to_frame([known[sid] for sid in ids])
         storage.write_parquet_atomic(frame, final_path)
         journal_path.unlink(missing_ok=True)
-        return _result(partition_key, final_path, frame, stats, len(kept), len(todo), model,
-                       time.monotonic() - started, torn)
+        return _result(
+            partition_key, final_path, frame, stats, len(kept), len(todo), model, time.monotonic() - started, torn
+        )
 
 
-def _result(partition_key: str, path: Path, frame: pl.DataFrame, stats: EngineStats, resumed: int, requested: int,
-            model: str | None, wall_s: float, torn: int) -> GenerationResult:
+def _result(
+    partition_key: str,
+    path: Path,
+    frame: pl.DataFrame,
+    stats: EngineStats,
+    resumed: int,
+    requested: int,
+    model: str | None,
+    wall_s: float,
+    torn: int,
+) -> GenerationResult:
     ok_rows = frame.filter(pl.col("status") == STATUS_OK)
     total = frame.height
     failed = total - ok_rows.height

@@ -51,8 +51,9 @@ class PromptToGenerate:
 
 def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
     # Only role and content travel: the row schema is a list of {role, content} structs.
-    return [{"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])}
-            for m in messages]
+    return [
+        {"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])} for m in messages
+    ]
 
 
 def rows_to_frame(rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:

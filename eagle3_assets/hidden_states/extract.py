@@ -155,8 +155,9 @@ def _read_ok_responses(layout: DataLayout, partition_key: str) -> tuple[pl.DataF
     return ok, frame.height - ok.height
 
 
-def _render_rows(ok: pl.DataFrame, verifier_path: Path, max_seq_len: int, vocab_size: int,
-                 partition_key: str) -> tuple[list[_Row], int]:
+def _render_rows(
+    ok: pl.DataFrame, verifier_path: Path, max_seq_len: int, vocab_size: int, partition_key: str
+) -> tuple[list[_Row], int]:
     """The training sequence of every ok response, and how many of them are the server's own token ids.
 
     The server's ids (``prompt_token_ids`` + ``completion_token_ids``, loss on the completion) are exactly what
