@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,3 +170,25 @@ def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: f
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
+
+
+def block_before_rename(argv_index: int) -> str:
+    """Child-script prologue: when ``sys.argv[argv_index:argv_index + 2]`` is given as (name prefix, marker path),
+    the child touches the marker and stops for good just before renaming a temporary file whose name starts with the
+    prefix into place, so the parent can SIGKILL it with the temporary written but not renamed."""
+    return textwrap.dedent(
+        f"""
+        import os, sys, time
+        if len(sys.argv) > {argv_index}:
+            block, marker = sys.argv[{argv_index}:{argv_index + 2}]
+            real_replace = os.replace
+
+            def replace(src, dst, *args, **kwargs):
+                if os.path.basename(src).startswith(block):
+                    open(marker, "w").close()
+                    time.sleep(3600)
+                return real_replace(src, dst, *args, **kwargs)
+
+            os.replace = replace
+        """
+    )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_reliability_common import sigkill_child_when
+from test_reliability_common import block_before_rename, sigkill_child_when
 
 from eagle3_assets.storage import DataLayout
 
@@ -50,7 +50,7 @@ CONFIG: dict[str, Any] = dict(
 # (seed, where the kill lands): the seed draws the exact step / checkpoint / delay
 KILLS = [(3, "steps"), (11, "checkpoint"), (29, "final-save"), (41, "final")]
 
-CHILD = textwrap.dedent(
+CHILD = block_before_rename(7) + textwrap.dedent(
     """
     import sys
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -60,18 +60,6 @@ CHILD = textwrap.dedent(
     from eagle3_assets.training import TrainConfig, train_draft
 
     root, verifier, steps_path, train, val, config = sys.argv[1:7]
-    if len(sys.argv) > 7:  # fault injection: stop for good just before renaming a temporary file into place
-        import os, time
-        block, marker = sys.argv[7:9]
-        real_replace = os.replace
-
-        def replace(src, dst, *args, **kwargs):
-            if os.path.basename(src).startswith(block):
-                open(marker, "w").close()
-                time.sleep(3600)
-            return real_replace(src, dst, *args, **kwargs)
-
-        os.replace = replace
     counter = open(steps_path, "ab", buffering=0)
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: counter.write(b"."))
     print("START", flush=True)

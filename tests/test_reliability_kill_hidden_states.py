@@ -15,7 +15,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from test_reliability_common import sigkill_child_when
+from test_reliability_common import block_before_rename, sigkill_child_when
 
 from eagle3_assets.storage import DataLayout
 
@@ -26,23 +26,11 @@ LAYERS = [1, 2, 3]
 # number of sample files stored before the kill (seed 2: 0, seed 17: 21 of 24) or the delay into the final writes.
 KILLS = [(2, "samples"), (17, "samples"), (5, "final-writes")]
 
-CHILD = textwrap.dedent(
+CHILD = block_before_rename(3) + textwrap.dedent(
     f"""
     import sys
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.storage import DataLayout
-    if len(sys.argv) > 3:  # fault injection: stop for good just before renaming a temporary file into place
-        import os, time
-        block, marker = sys.argv[3:5]
-        real_replace = os.replace
-
-        def replace(src, dst, *args, **kwargs):
-            if os.path.basename(src).startswith(block):
-                open(marker, "w").close()
-                time.sleep(3600)
-            return real_replace(src, dst, *args, **kwargs)
-
-        os.replace = replace
     print("START", flush=True)
     extract_partition(DataLayout.at(sys.argv[1]), "{KEY}", sys.argv[2],
                       HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600))
