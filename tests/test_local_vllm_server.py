@@ -156,13 +156,23 @@ def test_startup_timeout_kills_the_server(tmp_path: Path, model_dir: Path, fake_
     assert server.process is None
 
 
+def _signal_state(pid: int) -> dict[str, str]:
+    """Blocked / ignored / caught signal masks of a live process (for failure messages)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as error:
+        return {"error": str(error)}
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines) if k in ("SigBlk", "SigIgn", "SigCgt")}
+
+
 def test_stop_escalates_when_sigint_is_ignored(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
     server = vs.LocalVLLMServer(_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "ignore-sigint"}))
     server.start()
     pid = server.process.pid
+    signals = _signal_state(pid)
     started = time.monotonic()
     code = server.stop(grace_s=1.0)
-    assert code == -signal.SIGTERM
+    assert code == -signal.SIGTERM, f"server's signal state before the stop: {signals}"
     assert _gone(pid) and time.monotonic() - started < 15
 
 
@@ -284,6 +294,13 @@ def test_cli_serve_stops_the_server_on_signal(
     else:
         pytest.fail(f"serve exited early with {proc.wait()}")
     assert vs.list_models(f"http://127.0.0.1:{port}/v1") == ["tiny"]
+    signals = _signal_state(proc.pid)
     proc.send_signal(sig)  # what Ctrl-C (SIGINT) or a supervisor (SIGTERM) does
-    assert proc.wait(timeout=60) == 0
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"serve ignored {sig.name} for 60 s; signal state before: {signals}, now: {_signal_state(proc.pid)}"
+        )
+    assert code == 0
     assert not vs.port_in_use("127.0.0.1", port)

@@ -65,9 +65,11 @@ SERVER_ENV = {
 }
 
 # A shim run by the vLLM interpreter: a process started in the background by a shell inherits SIGINT *ignored*,
-# and Python then keeps ignoring it, so our graceful SIGINT would be lost. Restore the default, then exec vLLM.
+# and Python then keeps ignoring it, so our graceful SIGINT would be lost; a parent that ignores or blocks SIGTERM
+# (both survive exec) would leave only SIGKILL. Restore both to the default and unblock them, then exec vLLM.
 _EXEC_SHIM = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "import os, signal, sys; stops = {signal.SIGINT, signal.SIGTERM}; "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, stops); [signal.signal(s, signal.SIG_DFL) for s in stops]; "
     "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', *sys.argv[1:]])"
 )
 
@@ -520,7 +522,10 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     server = LocalVLLMServer(_config_from_args(args))
-    # SIGTERM (e.g. from make or a supervisor) takes the same clean path as Ctrl-C.
+    # SIGTERM (e.g. from make or a supervisor) takes the same clean path as Ctrl-C; both are taken even when this
+    # process inherited them ignored (a background shell job) or blocked.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         print(f"starting vLLM on {server.base_url} (log: {_expected_log(args)}) ...", flush=True)
