@@ -28,6 +28,8 @@ from eagle3_assets.storage import DataLayout
 
 KEY = "00000"
 ACCEPTANCE_FAULTS = {"error_500": 0.05, "error_429": 0.02, "reset": 0.02, "hang": 0.01, "truncate": 0.01}
+# every fault kind the fake server injects: the acceptance rates plus 2% of each bad-body kind
+EVERY_FAULT = {**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02}
 
 
 def make_prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
@@ -134,7 +136,7 @@ def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProce
             median_tokens=40,
             hang_s=60,
             stream_interval_s=0.01,
-            faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02},
+            faults=EVERY_FAULT,
         )
     ],
     indirect=True,
@@ -389,7 +391,7 @@ def test_api_key_is_sent_and_never_written(server: FakeServerProcess, layout: Da
             hang_s=60,
             max_model_len=300,
             stream_interval_s=0.01,
-            faults={**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02},
+            faults=EVERY_FAULT,
         )
     ],
     indirect=True,
