@@ -12,26 +12,13 @@ runs the layers, so ids must be strictly increasing or the draft would see them 
 
 Backends
 --------
-``hf`` (:class:`HFBackend`, done): a transformers forward pass over length-bucketed, right-padded batches, on
-the CPU (float32 compute) or a GPU (bfloat16 compute). It runs the base model only (no LM head: the logits
-are not needed, and at a 128k vocabulary the head costs as much as several layers).
+``hf`` (:mod:`eagle3_assets.hidden_states.hf_backend`): a transformers forward pass in this process over
+length-bucketed, right-padded batches; on GPUs bf16 and ``device_map="auto"`` over every visible GPU, on the CPU
+float32. Hooks capture only the needed layers.
 
-``vllm`` (:class:`VLLMBackend`, NOT implemented here, a documented stub): the way a verifier too large for
-one process (e.g. a 1T-parameter MoE) must be run. The plan, measured to work on CPU vLLM 0.32 (see
-``shared/NOTES.md``):
-
-1. serve the verifier with ``--speculative-config '{"method": "extract_hidden_states",
-   "num_speculative_tokens": 1, "draft_model_config": {"hf_config":
-   {"eagle_aux_hidden_state_layer_ids": [...]}}}'`` and ``--kv-transfer-config`` naming a hidden-states
-   connector with a ``shared_storage_path`` (the stock example connector crashes on CPU; a subclass that
-   does not pin memory and does not ``.query()`` the placeholder event works);
-2. ``extract`` sends each sequence as a Completions request with ``prompt`` = the token ids and
-   ``max_tokens=1`` (many in flight, like the generation engine), reads
-   ``kv_transfer_params.hidden_states_path`` from each response, loads that safetensors file, checks its
-   ``token_ids`` against the request, and returns its ``hidden_states`` (same layout as this module's);
-3. the connector's file is deleted after loading. speculators' own client
-   (``speculators.data_generation.vllm_client.generate_hidden_states`` + ``hs_connectors.FileTransfer``)
-   does steps 2-3 and can be reused.
+``vllm`` (:mod:`eagle3_assets.hidden_states.vllm_backend`): the verifier runs in vLLM extraction servers (one or
+several, any tensor-parallel size); this process sends token ids and reads the connector's files. The way a
+verifier too large for one process is run.
 """
 
 from __future__ import annotations
@@ -39,15 +26,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from eagle3_assets.settings import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
 LAYER_IDS_KEY = "layer_ids"
 DTYPES = {"bfloat16": 2, "float32": 4}
@@ -145,93 +134,7 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-class HFBackend:
-    """transformers forward pass; aux states from ``output_hidden_states``, the last layer's output by a hook."""
-
-    name = "hf"
-
-    def __init__(
-        self,
-        verifier_path: str | Path,
-        layer_ids: list[int],
-        store_dtype: str = "bfloat16",
-        device: str = "auto",
-        batch_tokens: int = 8192,
-    ) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        # bf16 compute on accelerators; on CPUs bf16 matmuls are often slower than fp32 and less exact
-        compute_dtype = torch.bfloat16 if self.device.type != "cpu" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(
-            str(verifier_path), dtype=compute_dtype, attn_implementation="sdpa"
-        )
-        model.eval().to(self.device)
-        # The base model only: the LM head's logits are never used here.
-        self.base = getattr(model, model.base_model_prefix)
-        self.hidden_size = int(model.config.get_text_config().hidden_size)
-        self.layer_ids = list(layer_ids)
-        self.store_dtype = getattr(torch, store_dtype)
-        self.batch_tokens = batch_tokens
-        self._last: list[Any] = []
-        norm = getattr(self.base, "norm", None)
-        if norm is None:
-            raise ValueError(f"{type(self.base).__name__} has no final `norm` module to hook (pre-norm states)")
-        # HF's hidden_states[-1] is AFTER the final norm; EAGLE-3 trains on the last layer's raw output, which is
-        # exactly the final norm's input.
-        self._hook = norm.register_forward_pre_hook(lambda _module, args: self._last.append(args[0]))
-
-    def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        import torch
-
-        lengths = [len(ids) for ids in batch]
-        longest = max(lengths)
-        input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, ids in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-        self._last.clear()
-        with torch.inference_mode():
-            out = self.base(
-                input_ids=input_ids.to(self.device),
-                # right padding never changes the causal states of real tokens; no mask at all when unpadded
-                attention_mask=attention_mask.to(self.device) if min(lengths) < longest else None,
-                output_hidden_states=True,
-                use_cache=False,
-            )
-            states = [out.hidden_states[i] for i in self.layer_ids] + [self._last[-1]]
-            stacked = torch.stack(states, dim=2).to(self.store_dtype).cpu()  # [B, T, n_aux+1, H]
-        self._last.clear()
-        return [stacked[row, :n].clone() for row, n in enumerate(lengths)]
-
-    def close(self) -> None:
-        self._hook.remove()
-
-
-class VLLMBackend:
-    """Placeholder for extraction through a vLLM server; NOT implemented. See this module's docstring."""
-
-    name = "vllm"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "hidden_states backend 'vllm' is not implemented yet: use backend='hf'. The design (vLLM "
-            "extract_hidden_states speculative method + a hidden-states KV connector, client via speculators' "
-            "generate_hidden_states) is documented in eagle3_assets/hidden_states/backends.py"
-        )
-
-    def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:  # pragma: no cover
-        raise NotImplementedError
-
-    def close(self) -> None:  # pragma: no cover
-        pass
-
-
-BACKENDS: dict[str, type] = {"hf": HFBackend, "vllm": VLLMBackend}
+BACKEND_NAMES = ("hf", "vllm")
 
 
 def make_backend(
@@ -241,7 +144,15 @@ def make_backend(
     store_dtype: str,
     device: str,
     batch_tokens: int,
+    vllm_options: VLLMBackendOptions | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> HiddenStateBackend:
-    if name not in BACKENDS:
-        raise ConfigError(f"backend={name!r}: unknown hidden-states backend; choose one of {sorted(BACKENDS)}")
-    return BACKENDS[name](verifier_path, layer_ids, store_dtype=store_dtype, device=device, batch_tokens=batch_tokens)
+    if name == "hf":
+        from eagle3_assets.hidden_states.hf_backend import HFBackend
+
+        return HFBackend(verifier_path, layer_ids, store_dtype=store_dtype, device=device, batch_tokens=batch_tokens)
+    if name == "vllm":
+        from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
+
+        return VLLMBackend(verifier_path, layer_ids, store_dtype, device, batch_tokens, options=vllm_options, log=log)
+    raise ConfigError(f"backend={name!r}: unknown hidden-states backend; choose one of {list(BACKEND_NAMES)}")

@@ -23,6 +23,7 @@ right shape and its ``token_ids`` equal the sample's freshly rendered ids, other
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.hidden_states.backends import (
+    BACKEND_NAMES,
     DTYPES,
     make_backend,
     plan_batches,
@@ -43,6 +45,7 @@ from eagle3_assets.hidden_states.backends import (
     torch_threads,
     verifier_shape,
 )
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import (
     DataLayout,
@@ -83,6 +86,7 @@ class HiddenStatesConfig:
     device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
     batch_tokens: int = 8192  # padded tokens per forward pass
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
+    vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -91,6 +95,8 @@ class HiddenStatesConfig:
             raise ConfigError(f"max_seq_len={self.max_seq_len!r}: must be an integer above 1")
         if self.batch_tokens <= 0:
             raise ConfigError(f"batch_tokens={self.batch_tokens!r}: must be a positive integer")
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError(f"backend={self.backend!r}: must be one of {', '.join(BACKEND_NAMES)}")
 
 
 @dataclass
@@ -347,8 +353,16 @@ def extract_partition(
         extract_started = time.perf_counter()
         if pending:
             (data_dir / HS_SUBDIR).mkdir(parents=True, exist_ok=True)
+            vllm_options = dataclasses.replace(config.vllm, max_model_len=config.max_seq_len + 1)
             backend = make_backend(
-                config.backend, verifier_path, layer_ids, config.dtype, config.device, config.batch_tokens
+                config.backend,
+                verifier_path,
+                layer_ids,
+                config.dtype,
+                config.device,
+                config.batch_tokens,
+                vllm_options=vllm_options,
+                log=say,
             )
             extract_started = time.perf_counter()  # tokens/s: forward + capture + writes, not the model load
             try:

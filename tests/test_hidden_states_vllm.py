@@ -1,0 +1,65 @@
+"""The ``vllm`` hidden-states backend against the real CPU vLLM (extraction mode) on the tiny verifier.
+
+Tolerance: both backends compute in float32 here (the hf backend on a CPU, the embedded vLLM with ``--dtype
+float32``) and the comparison stores float32, so the only differences are the kernels' summation orders:
+measured max |vllm - hf| / max |hf| per sample ~1e-6; the test allows 1e-4 of each sample's scale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.hidden_states import HiddenStatesConfig, check_finite, check_token_ids, extract_partition
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+from eagle3_assets.storage import DataLayout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+KEY = "00000"
+LAYERS = [1, 2, 3]
+RELATIVE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Path:
+    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier
+    from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
+
+    try:
+        check_vllm_python()
+    except VLLMNotInstalledError as exc:
+        pytest.skip(f"local vLLM not installed: {exc}")
+    return cached_tiny_verifier()
+
+
+def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, verifier: Path) -> None:
+    """One partition through the embedded extraction server (no URL) equals the hf backend's, and the
+    connector's files are gone afterwards."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3_assets.hidden_states.fixtures import fabricate_responses
+
+    layouts = {}
+    for backend in ("hf", "vllm"):
+        layout = DataLayout.at(tmp_path / backend)
+        fabricate_responses(layout, KEY, 16, failed_every=8, min_words=20, max_words=60)
+        layouts[backend] = layout
+    transfer = tmp_path / "transfer"
+    hf = extract_partition(layouts["hf"], KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, dtype="float32"))
+    vllm_config = HiddenStatesConfig(
+        layer_ids=LAYERS, dtype="float32", backend="vllm", vllm=VLLMBackendOptions(storage_path=str(transfer))
+    )
+    vllm = extract_partition(layouts["vllm"], KEY, verifier, vllm_config)
+    assert vllm.samples == hf.samples == 14 and vllm.stored == 14
+    assert list(transfer.iterdir()) == []  # every connector file (and its .lock) deleted after reading
+    for row in range(hf.samples):
+        ours = load_file(hf.data_dir / "hidden_states" / f"hs_{row}.safetensors")
+        theirs = load_file(vllm.data_dir / "hidden_states" / f"hs_{row}.safetensors")
+        assert torch.equal(ours["token_ids"], theirs["token_ids"]), row
+        scale = ours["hidden_states"].abs().max()
+        error = (theirs["hidden_states"] - ours["hidden_states"]).abs().max()
+        assert error <= RELATIVE_TOLERANCE * scale, (row, float(error), float(scale))
+    assert check_token_ids(layouts["vllm"], KEY).passed and check_finite(layouts["vllm"], KEY).passed
