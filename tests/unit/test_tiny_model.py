@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.local import tiny_model as tm
+from eagle3_assets.local import tiny_weights as tw
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 20,
@@ -102,8 +103,8 @@ def test_structure_think_once_then_eos(model_dir: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     embed = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
     hidden = embed.shape[1]
-    think_triggers = [int(i) for i in (embed[:, hidden - tm._CH_TRIG_THINK] == 1).nonzero()[0]]
-    eos_triggers = [int(i) for i in (embed[:, hidden - tm._CH_TRIG_EOS] == 1).nonzero()[0]]
+    think_triggers = [int(i) for i in (embed[:, hidden - tw._CH_TRIG_THINK] == 1).nonzero()[0]]
+    eos_triggers = [int(i) for i in (embed[:, hidden - tw._CH_TRIG_EOS] == 1).nonzero()[0]]
     think_end, eos = tok.convert_tokens_to_ids(tm.THINK_END_TOKEN), tok.eos_token_id
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True, return_dict=True
