@@ -24,7 +24,7 @@ RELATIVE_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def verifier() -> Path:
-    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier
+    from support.hidden_states_data import cached_tiny_verifier
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
 
     try:
@@ -40,7 +40,7 @@ def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, verifier: Path
     import torch
     from safetensors.torch import load_file
 
-    from eagle3_assets.hidden_states.fixtures import fabricate_responses
+    from support.hidden_states_data import fabricate_responses
 
     layouts = {}
     for backend in ("hf", "vllm"):
