@@ -38,7 +38,9 @@ def main() -> int:
     from eagle3_assets.hidden_states.backends import torch_threads
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
-    from eagle3_assets.training.train import _loader, _to_device, build_draft, trainer_kwargs
+    from eagle3_assets.training.loop import make_loader as _loader
+    from eagle3_assets.training.loop import to_device as _to_device
+    from eagle3_assets.training.model import build_draft, trainer_kwargs
     from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     verifier = cached_tiny_verifier(hidden_size=args.hidden_size, vocab_size=args.vocab_size).resolve()

@@ -104,6 +104,25 @@ def parse_layer_ids(key: str, value: object) -> list[int] | None:
     return ids
 
 
+def parse_device(key: str, value: object) -> str:
+    text = str(value).strip()
+    if text in {"auto", "cpu", "cuda"} or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise _fail(key, value, "must be auto, cpu, cuda or cuda:N")
+
+
+def parse_hidden_states_backend(key: str, value: object) -> str:
+    text = str(value).strip()
+    if text not in {"hf", "vllm"}:
+        raise _fail(key, value, "must be hf or vllm")
+    return text
+
+
+def parse_optional_base_urls(key: str, value: object) -> list[str]:
+    """Empty: no URL; otherwise like :func:`parse_base_urls`."""
+    return parse_base_urls(key, value) if str(value).strip() else []
+
+
 @dataclass(frozen=True)
 class EnvSetting:
     key: str
@@ -179,6 +198,31 @@ ENV_SETTINGS: dict[str, EnvSetting] = {
             "Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`.",
             parse_layer_ids,
         ),
+        EnvSetting(
+            "EAGLE3_DEVICE",
+            "auto",
+            "Where the hf backend and training run: `auto` (every visible GPU, else CPU), `cpu`, `cuda`, `cuda:N`.",
+            parse_device,
+        ),
+        EnvSetting(
+            "EAGLE3_HIDDEN_STATES_BACKEND",
+            "hf",
+            "`hf` (transformers in the Dagster process) or `vllm` (vLLM extraction servers).",
+            parse_hidden_states_backend,
+        ),
+        EnvSetting(
+            "EAGLE3_HIDDEN_STATES_URL",
+            "",
+            "`vllm` backend: extraction server base URL(s), comma-separated; empty: start the embedded CPU vLLM.",
+            parse_optional_base_urls,
+        ),
+        EnvSetting(
+            "EAGLE3_HIDDEN_STATES_STORAGE",
+            "",
+            "`vllm` backend: this machine's mount of the servers' `shared_storage_path`; empty: the server's path.",
+            _as_optional_str,
+        ),
+        EnvSetting("EAGLE3_TRAIN_PROCS", "1", "draft_model training processes (torchrun ranks).", parse_positive_int),
     ]
 }
 

@@ -1,5 +1,7 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
+import os
+
 import dagster as dg
 
 from eagle3_assets.defs.checks import check_result
@@ -15,8 +17,9 @@ ONE_PER_OK = "hidden_states_one_per_ok_response"
 class HiddenStatesAssetConfig(dg.Config):
     max_seq_len: int = 2048
     dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
-    backend: str = "hf"  # "hf" (transformers forward); see eagle3_assets/hidden_states/backends.py
-    batch_tokens: int = 8192  # padded tokens per forward pass
+    backend: str = ""  # "hf" or "vllm"; empty: the verifier resource's (EAGLE3_HIDDEN_STATES_BACKEND)
+    batch_tokens: int = 8192  # hf backend: padded tokens per forward pass
+    concurrency: int = 32  # vllm backend: requests in flight over all extraction servers
 
 
 @dg.asset(
@@ -27,7 +30,8 @@ class HiddenStatesAssetConfig(dg.Config):
     description=(
         "For every ok response of the partition: the training conversation rendered with the verifier's "
         "chat template (loss mask on assistant tokens), run through the verifier, and its auxiliary hidden "
-        "states plus the last layer's output stored in speculators' offline layout. Resumable per sample."
+        "states plus the last layer's output stored in speculators' offline layout. Resumable per sample. "
+        "Computed by transformers in this process (backend hf) or by vLLM extraction servers (backend vllm)."
     ),
     check_specs=[
         dg.AssetCheckSpec(TOKEN_IDS, asset="hidden_states", description="Stored token_ids equal input_ids."),
@@ -52,13 +56,22 @@ def hidden_states(
 
     layout = data_store.layout
     key = context.partition_key
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+
     stage_config = HiddenStatesConfig(
         layer_ids=verifier.layer_id_list(),
         max_seq_len=config.max_seq_len,
         dtype=config.dtype,
-        backend=config.backend,
+        backend=config.backend or verifier.hidden_states_backend,
         device=verifier.device,
         batch_tokens=config.batch_tokens,
+        vllm=VLLMBackendOptions(
+            urls=tuple(verifier.hidden_states_urls()),
+            storage_path=verifier.hidden_states_storage or None,
+            concurrency=config.concurrency,
+            # a remote extraction deployment sits behind the same key as the generation servers
+            api_key=os.environ.get("EAGLE3_API_KEY") or None,
+        ),
     )
     result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
 
@@ -78,6 +91,7 @@ def hidden_states(
             "bytes": result.bytes,
             "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
             "tokens_per_s": round(result.tokens_per_s, 1),
+            "backend": stage_config.backend,
             "seconds": round(result.seconds, 1),
             "layer_ids": dg.MetadataValue.json(result.layer_ids),
             "hidden_size": result.hidden_size,

@@ -55,9 +55,22 @@ class VerifierResource(dg.ConfigurableResource):
     # Aux layers whose hidden states EAGLE-3 trains on; empty: [2, N//2, N-3], checked against the model
     layer_ids: str = ""
 
+    # How its hidden states are computed and where it trains (EAGLE3_HIDDEN_STATES_*, EAGLE3_TRAIN_PROCS)
+    hidden_states_backend: str = "hf"
+    hidden_states_url: str = ""  # comma-separated extraction servers; empty with "vllm": the embedded CPU vLLM
+    hidden_states_storage: str = ""  # local mount of the servers' shared_storage_path; empty: the server's path
+    train_procs: int = 1
+
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self.resolved_path()
         self.layer_id_list()
+        settings.parse_device("EAGLE3_DEVICE", self.device)
+        settings.parse_hidden_states_backend("EAGLE3_HIDDEN_STATES_BACKEND", self.hidden_states_backend)
+        self.hidden_states_urls()
+        settings.parse_positive_int("EAGLE3_TRAIN_PROCS", self.train_procs)
+
+    def hidden_states_urls(self) -> list[str]:
+        return settings.parse_optional_base_urls("EAGLE3_HIDDEN_STATES_URL", self.hidden_states_url)
 
     def layer_id_list(self) -> list[int] | None:
         return settings.parse_layer_ids("EAGLE3_LAYER_IDS", self.layer_ids)
@@ -89,6 +102,11 @@ def default_resources() -> dict[str, object]:
         "verifier": VerifierResource(
             path=env("EAGLE3_VERIFIER_PATH") or "",
             layer_ids=",".join(map(str, env("EAGLE3_LAYER_IDS") or [])),
+            device=env("EAGLE3_DEVICE"),
+            hidden_states_backend=env("EAGLE3_HIDDEN_STATES_BACKEND"),
+            hidden_states_url=",".join(env("EAGLE3_HIDDEN_STATES_URL")),
+            hidden_states_storage=env("EAGLE3_HIDDEN_STATES_STORAGE") or "",
+            train_procs=env("EAGLE3_TRAIN_PROCS"),
         ),
         "inference_server": inference_resource_from_env(),
     }

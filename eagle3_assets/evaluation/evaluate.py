@@ -51,7 +51,7 @@ def training_init(draft_dir: Path) -> str | None:
     """The init the draft at ``draft_dir`` (``<draft_model>/final``) was trained from, if its history says."""
     import json
 
-    from eagle3_assets.training.train import HISTORY_FILE
+    from eagle3_assets.training.checkpoints import HISTORY_FILE
 
     try:
         history = json.loads((draft_dir.parent / HISTORY_FILE).read_text())

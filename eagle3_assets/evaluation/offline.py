@@ -50,14 +50,15 @@ class SampleOutcome:
 
 def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa") -> Any:
     """A saved speculators EAGLE-3 draft, with CPU-friendly attention (the saved config defaults to flex)."""
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from eagle3_assets.speculators_adapter import eagle3_classes
 
-    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    classes = eagle3_classes()
+    config = classes.Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = attn_impl
     if verifier is not None:
         # a draft trained elsewhere names a verifier path of that machine: point it at ours
         config.speculators_config.verifier.name_or_path = str(Path(verifier).expanduser().resolve())
-    model = Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
+    model = classes.Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
     model.eval()
     return model
 
@@ -74,7 +75,8 @@ def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED, init: str | Non
     """
     import torch
 
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     cfg = model.config
     train_cfg = TrainConfig(
@@ -135,8 +137,9 @@ class VerifierHead:
 
     def __init__(self, verifier_path: str | Path) -> None:
         import torch
-        from speculators.utils.loading import load_model_layers
         from transformers import AutoConfig
+
+        from eagle3_assets.speculators_adapter import load_model_layers
 
         path = str(verifier_path)
         config = AutoConfig.from_pretrained(path)

@@ -227,14 +227,17 @@ class VLLMBackend:
 
     async def _extract_one(self, ids: list[int]) -> torch.Tensor:
         import openai
-        from speculators.data_generation.vllm_client import InvalidResponseError, generate_hidden_states_async
+
+        from eagle3_assets.speculators_adapter import hidden_states_client
+
+        client = hidden_states_client()
 
         last: BaseException | None = None
         for _attempt in range(self.options.max_attempts):
             endpoint = await self._acquire()
             failed = True
             try:
-                path, _params = await generate_hidden_states_async(
+                path, _params = await client.generate_hidden_states_async(
                     self._clients[endpoint.url],
                     self._model,
                     {"input_ids": ids},
@@ -250,7 +253,7 @@ class VLLMBackend:
                 )
                 failed = False
                 return states.to(self.store_dtype)
-            except (InvalidResponseError, ExtractionError) as error:
+            except (client.InvalidResponseError, ExtractionError) as error:
                 failed = False  # the request's own answer is wrong: another server would not help
                 raise ExtractionError(f"{endpoint.url}: {error}") from error
             except openai.BadRequestError as error:

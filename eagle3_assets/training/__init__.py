@@ -1,8 +1,18 @@
-"""Vocabulary mapping and EAGLE-3 draft training around speculators (Dagster-free; heavy imports are lazy)."""
+"""Vocabulary mapping and EAGLE-3 draft training around speculators (Dagster-free; heavy imports are lazy).
 
-from __future__ import annotations
+Modules: ``config`` (TrainConfig, TrainResult), ``model`` (the draft), ``checkpoints`` (resume and final save),
+``loop`` (the training loop, one rank or N), ``launch`` (torchrun for N processes), ``vocab`` (draft vocabulary).
+"""
 
-from eagle3_assets.training.train import TrainConfig, TrainResult, train_draft
+from eagle3_assets.training.config import TrainConfig, TrainResult
+from eagle3_assets.training.loop import train_draft
 from eagle3_assets.training.vocab import VocabResult, build_vocab_mapping, load_vocab_mapping
 
-__all__ = ["TrainConfig", "TrainResult", "VocabResult", "build_vocab_mapping", "load_vocab_mapping", "train_draft"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "VocabResult",
+    "build_vocab_mapping",
+    "load_vocab_mapping",
+    "train_draft",
+]

@@ -81,9 +81,9 @@ def build_vocab_mapping(
         raise ValueError("vocab_mapping needs at least one hidden_states partition")
 
     import torch
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
+    from eagle3_assets.speculators_adapter import build_vocab_mappings
 
     counts: Counter[int] = Counter()
     for key in partition_keys:
@@ -103,7 +103,7 @@ def build_vocab_mapping(
             "(full vocabulary: speculators ignores the mapping)"
         )
     freq = dict(counts)
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=size, target_vocab_size=target_vocab_size)
+    d2t, t2d = build_vocab_mappings(freq, draft_vocab_size=size, target_vocab_size=target_vocab_size)
 
     loss_tokens = sum(freq.values())
     covered = sum(n for t, n in freq.items() if bool(t2d[t]))

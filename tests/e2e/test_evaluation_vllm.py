@@ -26,7 +26,8 @@ PROMPTS = [
 def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     # An untrained draft (seeded) is the hardest case for identity: almost every proposal is rejected, so every
     # output token comes from the verifier's correction path.

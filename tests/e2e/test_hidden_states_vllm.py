@@ -24,8 +24,8 @@ RELATIVE_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def verifier() -> Path:
-    from support.hidden_states_data import cached_tiny_verifier
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
+    from support.hidden_states_data import cached_tiny_verifier
 
     try:
         check_vllm_python()

@@ -162,7 +162,8 @@ def test_offline_oracle_reaches_k_plus_one_and_untrained_about_one(
     import torch
 
     from eagle3_assets.evaluation import offline
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     layout, verifier = stored
     torch.manual_seed(0)
@@ -197,7 +198,8 @@ def test_offline_real_greedy_and_untrained_twin(stored: tuple[DataLayout, Path],
     import torch
 
     from eagle3_assets.evaluation import offline
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     layout, verifier = stored
     torch.manual_seed(1)
@@ -233,7 +235,8 @@ def test_cli_offline_only_writes_the_report(
     import torch
 
     from eagle3_assets.evaluation.cli import main
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     layout, verifier = stored
     torch.manual_seed(2)
@@ -257,7 +260,8 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
 
     from eagle3_assets.defs.evaluation import draft_evaluation
     from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
-    from eagle3_assets.training.train import TrainConfig, build_draft
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
 
     layout, verifier = stored
     torch.manual_seed(3)

@@ -168,7 +168,7 @@ def test_a_folder_is_replaced_atomically_and_dead_writers_temporaries_are_swept_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`evaluation.offline.save_untrained_draft` (a stub model: no torch) through `storage.replace_dir_atomic`, the
-    replacement `training.train._save_final` shares: a dead writer's `.untrained_draft.tmp-PID` / `.old-PID` are
+    replacement `training.checkpoints.save_final` shares: a dead writer's `.untrained_draft.tmp-PID` / `.old-PID` are
     swept before the save, a live writer's and other targets' are kept; the old draft stays whole at its name until
     it is renamed aside (atomically) and the new one renamed into place; afterwards only the new draft is left. A
     failed rename of the new folder puts the old one back."""

@@ -142,7 +142,7 @@ def test_token_copy_init_carries_the_new_token_forward(verifier: Path, init: str
     speculators' plain init mixes all earlier positions instead."""
     import torch
 
-    from eagle3_assets.training.train import build_draft
+    from eagle3_assets.training.model import build_draft
 
     torch.manual_seed(0)
     model = build_draft(verifier, [1, 2, 3], TrainConfig(init=init), None).eval()

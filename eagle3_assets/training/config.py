@@ -1,0 +1,109 @@
+"""Training settings (:class:`TrainConfig`) and what a training run reports (:class:`TrainResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.settings import ConfigError
+
+INITS = ("token_copy", "speculators")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 1e-3  # speculators' default for AdamW
+    tokens_per_batch: int = 4096  # packed tokens per step (speculators' --total-seq-len)
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    num_layers: int = 1
+    loss_fn: str = "kl_div"
+    weight_decay: float = 0.01
+    scheduler: str = "cosine"  # "cosine", "linear" (both with warmup) or "none"
+    warmup_ratio: float = 0.02
+    # speculators' resolved eagle3 defaults (vLLM's llama_eagle3 reads all three)
+    norm_before_residual: bool = True
+    norm_before_fc: bool = True
+    norm_output: bool = True
+    draft_attn_impl: str = "sdpa"  # "sdpa" or "eager" (flex attention has no CPU backward)
+    # "token_copy": speculators' init, then the first draft layer starts by attending to its own position and
+    # passing the new token's embedding into the residual (see `init_token_copy`); "speculators": its init as is.
+    init: str = "token_copy"
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
+    save_dtype: str = "float32"  # dtype of the final weights: "float32" or "bfloat16"
+    max_steps_per_epoch: int | None = None  # cap for tests and benchmarks
+    # Validation batches per evaluation (the same seeded batches every epoch); None: the whole partition.
+    # A 1,000-sample partition costs minutes per pass on a CPU, which dominates a short training run.
+    max_val_batches: int | None = None
+    keep_checkpoints: int = 2
+    # training processes (torchrun ranks, DDP; gloo on CPU). tokens_per_batch stays the GLOBAL batch: each rank packs
+    # tokens_per_batch // procs, so N processes take the same optimizer steps as one.
+    procs: int = 1
+
+    def validate(self) -> None:
+        positive = ("epochs", "tokens_per_batch", "ttt_steps", "num_layers", "keep_checkpoints", "procs")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr!r}: must be a positive number")
+        if self.scheduler not in {"cosine", "linear", "none"}:
+            raise ConfigError(f"scheduler={self.scheduler!r}: must be cosine, linear or none")
+        if self.init not in INITS:
+            raise ConfigError(f"init={self.init!r}: must be one of {', '.join(INITS)}")
+        if self.draft_attn_impl not in {"sdpa", "eager"}:
+            raise ConfigError(f"draft_attn_impl={self.draft_attn_impl!r}: must be sdpa or eager")
+        if self.save_dtype not in {"float32", "bfloat16"}:
+            raise ConfigError(f"save_dtype={self.save_dtype!r}: must be float32 or bfloat16")
+        if self.max_val_batches is not None and self.max_val_batches <= 0:
+            raise ConfigError(f"max_val_batches={self.max_val_batches!r}: must be positive or None")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch <= 0:
+            raise ConfigError(f"max_steps_per_epoch={self.max_steps_per_epoch!r}: must be positive or None")
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        # epochs may grow between runs (train longer = resume); checkpoint bookkeeping never matters
+        # procs: a checkpoint holds the whole (replicated) state, so a run may resume with another process count
+        ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches", "procs"}
+        return {k: v for k, v in asdict(self).items() if k not in ignored}
+
+
+@dataclass
+class TrainResult:
+    epochs: int  # epochs completed in total (including ones from a resumed checkpoint)
+    epochs_run: int  # epochs this call trained
+    resumed_from_epoch: int | None  # the last epoch of the checkpoint resumed from (0-based), None when fresh
+    steps: int  # optimizer steps in total
+    tokens_trained: int  # packed real tokens over all steps
+    train_loss: list[float]  # per epoch, mean over its steps
+    val_loss: list[float]  # per epoch
+    val_loss_untrained: float  # the freshly initialized draft on the same validation batches
+    val_accuracy: list[list[float]]  # per epoch, per TTT step: draft argmax == verifier argmax (loss-masked)
+    val_cond_accuracy: list[list[float]]  # per epoch, per TTT step, given all earlier steps were right
+    val_acceptance_length: list[float]  # per epoch: 1 + sum over steps of the product of cond accuracies
+    loss_curve: list[dict[str, float]]  # per step: {"step", "epoch", "loss"}
+    seconds: float  # this call's wall time
+    seconds_per_step: float  # this call's mean training step time, batch loading included
+    cpu_seconds_per_step: float  # the same in process CPU time (steadier than wall time on a shared machine)
+    final_dir: Path
+    checkpoint_dir: Path
+    verifier_path: Path
+    layer_ids: list[int]
+    draft_vocab_size: int
+    train_partitions: list[str]
+    val_partition: str
+    notes: list[str] = field(default_factory=list)
+    ranks: int = 1  # training processes of this call
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (paths as strings): how a torchrun worker hands its result to the launcher."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainResult:
+        paths = {"final_dir", "checkpoint_dir", "verifier_path"}
+        return cls(**{k: Path(v) if k in paths else v for k, v in data.items()})

@@ -1,0 +1,479 @@
+"""The training loop: speculators' Trainer step in a plain torch loop that runs on a CPU, in one or N processes.
+
+What is ours, and why: speculators' ``Trainer`` assumes an accelerator (``model.to(local_rank)``,
+``torch.accelerator.synchronize``), so the loop is its step (forward with the TTT steps unrolled, backward, clip at
+1.0, AdamW, scheduler) plus:
+
+* a validation pass before training (the untrained draft's loss: the baseline the trained one must beat);
+* one checkpoint per epoch and a resume after the last whole one (:mod:`eagle3_assets.training.checkpoints`);
+* the final draft in speculators' format under ``draft_model_dir / "final"``.
+
+Several processes (started by :mod:`eagle3_assets.training.launch` through torchrun): the model is wrapped in
+``DistributedDataParallel`` (gloo on CPU, NCCL on GPU); speculators' packing sampler gives each rank its own
+batches of ``tokens_per_batch // world`` tokens, so the global batch per optimizer step is the same as one
+process's. Rank 0 alone takes the partition lock, validates (on the whole held-out partition, so the numbers
+equal a one-process run's for the same weights), writes checkpoints, the final draft and the history; the other
+ranks wait at barriers. Every rank starts from the same checkpoint, so the replicated state stays identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
+from eagle3_assets.training import checkpoints as ckpt
+from eagle3_assets.training.config import TrainConfig, TrainResult
+from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+EpochCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the training job (rank 0 of 1 without torch.distributed)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def current(cls) -> Ranks:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_reduce(self, value: float, op: str = "sum") -> float:
+        """``value`` summed (or min-ed) over the ranks; itself in a single process."""
+        if self.world == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MIN)
+        return float(tensor.item())
+
+
+def partition_meta(layout: DataLayout, keys: Sequence[str]) -> dict[str, Any]:
+    """The partitions' shared extraction metadata; an error names the two that disagree."""
+    from eagle3_assets.hidden_states.extract import read_meta
+
+    metas = {}
+    for key in keys:
+        if not layout.hidden_states_index_path(key).exists():
+            index = layout.hidden_states_index_path(key)
+            raise FileNotFoundError(f"hidden_states partition {key} is not complete (no {index})")
+        metas[key] = read_meta(layout, key)
+    first_key, first = next(iter(metas.items()))
+    for key, meta in metas.items():
+        for name in ("layer_ids", "hidden_size", "vocab_size"):
+            if meta[name] != first[name]:
+                raise ValueError(
+                    f"hidden_states partitions disagree on {name}: {first_key} has {first[name]}, "
+                    f"{key} has {meta[name]} (re-extract them with the same verifier and layer_ids)"
+                )
+    return first
+
+
+def make_loader(
+    dirs: Sequence[Path], tokens: int, hidden_size: int, n_aux: int, dtype: Any, seed: int, ranks: Ranks = Ranks()
+) -> Any:
+    """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share)."""
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from eagle3_assets.speculators_adapter import offline_data
+
+    sp = offline_data()
+    datasets = [
+        sp.ArrowDataset(max_len=tokens, datapath=str(d), on_missing="raise", hidden_states_dtype=dtype) for d in dirs
+    ]
+    lengths = [n for ds in datasets for n in ds.approx_lengths]
+    sampler = sp.MultipackDistributedBatchSamplerV2(
+        batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
+    )
+    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=sp.shift_batch)
+    return DataLoader(ConcatDataset(datasets), batch_sampler=sampler, num_workers=0, collate_fn=collate)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    import torch
+
+    # collate adds bookkeeping (error_records, recovery metadata) that the model's **kwargs must not receive
+    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def train_step(
+    model: Any, batch: dict[str, Any], optimizers: list[Any], schedulers: list[Any], call_kwargs: dict, autocast: Any
+) -> tuple[float, dict[str, Any]]:
+    """speculators Trainer's step: forward (TTT unrolled), backward, clip at 1.0, optimizer, scheduler."""
+    import torch
+
+    with autocast():
+        _draft_tokens, loss, metrics = model(**batch, **call_kwargs)
+    for opt in optimizers:
+        opt.zero_grad()
+    loss.backward()  # under DDP: the gradients are averaged over the ranks here
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for opt in optimizers:
+        opt.step()
+    for sched in schedulers:
+        sched.step()
+    return float(loss.detach()), metrics
+
+
+def evaluate(
+    model: Any,
+    loader: Any,
+    device: torch.device,
+    call_kwargs: dict,
+    ttt_steps: int,
+    autocast: Any,
+    max_batches: int | None = None,
+) -> dict:
+    """Validation metrics summed over all batches, then normalized (speculators' counted-metric convention)."""
+    import torch
+
+    from eagle3_assets.speculators_adapter import normalize_counted_metrics
+
+    model.eval()
+    sums: dict[str, float] = {}
+    batches = 0
+    with torch.no_grad():
+        for batch in loader:
+            if max_batches is not None and batches >= max_batches:
+                break
+            with autocast():
+                _tokens, _loss, metrics = model(**to_device(batch, device), **call_kwargs)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            batches += 1
+    model.train()
+    # per-batch means for the losses (like the Trainer), token-weighted ratios for accuracies
+    metrics = normalize_counted_metrics(dict(sums))
+    full = [metrics.get(f"full_acc_{i}", 0.0) for i in range(ttt_steps)]
+    cond = [metrics.get(f"cond_acc_{i}", 0.0) for i in range(ttt_steps)]
+    accept, run = 1.0, 1.0
+    for c in cond:
+        run *= c
+        accept += run
+    return {"loss": metrics.get("loss", float("nan")), "full_acc": full, "cond_acc": cond, "acceptance": accept}
+
+
+@dataclass
+class _Run:
+    """Everything one training call works with (built by :func:`_prepare`)."""
+
+    config: TrainConfig
+    ranks: Ranks
+    device: Any
+    model: Any  # DDP-wrapped with several ranks
+    core: Any  # the draft itself (what is evaluated and saved)
+    autocast: Callable[[], Any]
+    call_kwargs: dict
+    train_loader: Any
+    val_loader: Any
+    steps_per_epoch: int
+    optimizers: list
+    schedulers: list
+    fingerprint: str
+    history: dict[str, Any]
+    notes: list[str]
+    say: Callable[[str], None]
+
+
+def _schedulers(config: TrainConfig, optimizers: list, total_steps: int) -> list:
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    warmup = int(total_steps * config.warmup_ratio)
+    if config.scheduler == "cosine":
+        return [get_cosine_schedule_with_warmup(o, warmup, total_steps) for o in optimizers]
+    if config.scheduler == "linear":
+        return [get_linear_schedule_with_warmup(o, warmup, total_steps) for o in optimizers]
+    return []
+
+
+def _seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _prepare(
+    layout: DataLayout,
+    train_keys: list[str],
+    val_key: str,
+    verifier_path: Path,
+    meta: dict[str, Any],
+    config: TrainConfig,
+    ranks: Ranks,
+    say: Callable[[str], None],
+) -> _Run:
+    """The draft (seeded, DDP-wrapped with several ranks), loaders, optimizers, schedulers and the fingerprint."""
+    import torch
+
+    from eagle3_assets.speculators_adapter import build_optimizers
+    from eagle3_assets.training.vocab import load_vocab_mapping
+
+    layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
+    device = resolve_device(config.device)
+    on_gpu = device.type != "cpu"
+    # CPU: fp32 throughout (no autocast); GPU: bf16 autocast over fp32 weights, like speculators' Trainer
+    hs_dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    def autocast() -> Any:
+        return torch.autocast(device.type, dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+
+    notes: list[str] = []
+    mapping = load_vocab_mapping(layout)
+    if mapping is None:
+        notes.append("no vocab_mapping found: the draft uses the verifier's full vocabulary")
+    _seed(config.seed)
+    core = build_draft(verifier_path, layer_ids, config, mapping).to(device)
+    core.train()
+    model = core
+    if ranks.world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(core, device_ids=[device.index] if on_gpu else None)
+    per_rank = config.tokens_per_batch // ranks.world
+    loader_args = (per_rank, hidden_size, len(layer_ids), hs_dtype, config.seed)
+    train_loader = make_loader([layout.hidden_states_dir(k) for k in train_keys], *loader_args, ranks=ranks)
+    val_loader = make_loader([layout.hidden_states_dir(val_key)], config.tokens_per_batch, *loader_args[1:])
+    steps = len(train_loader)
+    if config.max_steps_per_epoch is not None:
+        steps = min(steps, config.max_steps_per_epoch)
+    steps = int(ranks.all_reduce(steps, "min"))  # every rank must take the same steps, or DDP waits forever
+    data_samples = sum(len(ds) for ds in train_loader.dataset.datasets)
+    optimizers = build_optimizers(core, lr=config.lr, weight_decay=config.weight_decay)
+    schedulers = _schedulers(config, optimizers, config.epochs * steps)
+    fingerprint = ckpt.fingerprint(
+        train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
+    )
+    history: dict[str, Any] = {
+        **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},
+        "loss_curve": [],
+        "tokens_trained": 0,
+        "steps": 0,
+    }
+    return _Run(
+        config, ranks, device, model, core, autocast, trainer_kwargs(config), train_loader, val_loader, steps,
+        optimizers, schedulers, fingerprint, history, notes, say,
+    )  # fmt: skip
+
+
+def _resume_or_baseline(run: _Run, ckpt_dir: Path) -> int | None:
+    """Load the newest matching checkpoint (returns its epoch), or measure the untrained draft (returns None)."""
+    state = ckpt.load_latest_checkpoint(ckpt_dir, run.fingerprint, run.notes)
+    if state is not None:
+        missing, unexpected = run.core.load_state_dict(state["model"], strict=False)
+        if unexpected or set(missing) - set(ckpt.VERIFIER_OWNED):
+            raise RuntimeError(f"checkpoint does not fit the draft: missing {missing}, unexpected {unexpected}")
+        for opt, opt_state in zip(run.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(run.schedulers, state["schedulers"], strict=True):
+            sched.load_state_dict(sched_state)
+        ckpt.set_rng_state(state["rng"])
+        run.history = state["history"]
+        run.say(f"draft_model: resuming after epoch {state['epoch'] + 1} of {run.config.epochs}")
+        return int(state["epoch"])
+    if run.ranks.main:
+        baseline = _validate(run)
+        run.history["val_loss_untrained"] = baseline["loss"]
+        run.history["val_accuracy_untrained"] = baseline["full_acc"]
+        run.say(f"draft_model: untrained val loss {baseline['loss']:.4f}")
+    run.ranks.barrier()
+    return None
+
+
+def _validate(run: _Run) -> dict:
+    cfg = run.config
+    return evaluate(
+        run.core, run.val_loader, run.device, run.call_kwargs, cfg.ttt_steps, run.autocast, cfg.max_val_batches
+    )
+
+
+@dataclass
+class _Timing:
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    steps: int = 0
+
+
+def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
+    """One epoch of optimizer steps; the loss of each step is the mean over the ranks."""
+    run.train_loader.batch_sampler.set_epoch(epoch)
+    losses = []
+    # a step's time includes fetching its batch (reading hidden states), the way a user waits for it
+    t_prev, cpu_prev = time.perf_counter(), time.process_time()
+    for step_in_epoch, batch in enumerate(run.train_loader):
+        if step_in_epoch >= run.steps_per_epoch:
+            break
+        loss, _metrics = train_step(
+            run.model, to_device(batch, run.device), run.optimizers, run.schedulers, run.call_kwargs, run.autocast
+        )
+        loss = run.ranks.all_reduce(loss) / run.ranks.world
+        tokens = int(run.ranks.all_reduce(int((batch["document_ids"] != -1).sum())))
+        now, cpu_now = time.perf_counter(), time.process_time()
+        timing.seconds += now - t_prev
+        timing.cpu_seconds += cpu_now - cpu_prev
+        t_prev, cpu_prev = now, cpu_now
+        timing.steps += 1
+        run.history["steps"] += 1
+        run.history["tokens_trained"] += tokens
+        run.history["loss_curve"].append({"step": run.history["steps"], "epoch": epoch, "loss": loss})
+        losses.append(loss)
+    return losses
+
+
+def _end_epoch(run: _Run, epoch: int, losses: list[float], ckpt_dir: Path, on_epoch: EpochCallback | None) -> None:
+    """Rank 0: validate, record, report and checkpoint; every rank then meets at a barrier."""
+    import numpy as np
+
+    if run.ranks.main:
+        val = _validate(run)
+        h = run.history
+        h["train_loss"].append(float(np.mean(losses)) if losses else float("nan"))
+        h["val_loss"].append(val["loss"])
+        h["val_accuracy"].append(val["full_acc"])
+        h["val_cond_accuracy"].append(val["cond_acc"])
+        h["val_acceptance_length"].append(val["acceptance"])
+        run.say(
+            f"draft_model epoch {epoch + 1}/{run.config.epochs}: train loss {h['train_loss'][-1]:.4f}, "
+            f"val loss {val['loss']:.4f}, val acc per step {[round(a, 3) for a in val['full_acc']]}"
+        )
+        if on_epoch is not None:
+            on_epoch(
+                {"epoch": epoch + 1, "train_loss": h["train_loss"][-1], "val_loss": val["loss"],
+                 "val_acceptance_length": val["acceptance"], "steps": h["steps"], "ranks": run.ranks.world}
+            )  # fmt: skip
+        ckpt.save_checkpoint(
+            ckpt_dir, epoch, run.core, run.optimizers, run.schedulers, run.history, run.fingerprint, run.config
+        )
+    run.ranks.barrier()
+
+
+@contextlib.contextmanager
+def _main_rank_lock(layout: DataLayout, ranks: Ranks, folders: Sequence[Path]) -> Iterator[None]:
+    """Rank 0 holds the draft_model lock and sweeps a killed run's temporaries before any rank reads a checkpoint."""
+    lock = exclusive_lock(layout.lock_path("draft_model"), "draft_model training") if ranks.main else None
+    with lock if lock is not None else contextlib.nullcontext():
+        if ranks.main:
+            # A killed run never renames its temporaries into place (a checkpoint, final/ being saved or moved
+            # aside, the history): without this sweep each kill would leak a checkpoint- or draft-sized file.
+            for folder in folders:
+                remove_dead_writers_temps(folder)
+        ranks.barrier()
+        yield
+
+
+def train_draft(
+    layout: DataLayout,
+    train_keys: Sequence[str],
+    val_key: str,
+    verifier_path: str | Path,
+    config: TrainConfig | None = None,
+    log: Callable[[str], None] | None = None,
+    on_epoch: EpochCallback | None = None,
+) -> TrainResult:
+    """Train (or resume training) the draft on ``train_keys``' hidden states, validating on ``val_key``.
+
+    In a torchrun worker (torch.distributed initialized) this is one rank of the job; see the module docstring.
+    ``on_epoch`` (rank 0) receives each epoch's metrics as they are measured.
+    """
+    from eagle3_assets.hidden_states.backends import torch_threads
+
+    config = config or TrainConfig()
+    config.validate()
+    started = time.perf_counter()
+    train_keys = list(train_keys)
+    if not train_keys:
+        raise ValueError("train_draft needs at least one training partition")
+    if val_key in train_keys:
+        raise ValueError(f"validation partition {val_key} is also a training partition")
+    ranks = Ranks.current()
+    say = (log or logger.info) if ranks.main else logger.debug
+    verifier_path = Path(verifier_path).expanduser().resolve()
+    meta = partition_meta(layout, [*train_keys, val_key])
+    out_dir = layout.draft_model_dir
+    ckpt_dir, final_dir = out_dir / ckpt.CHECKPOINT_DIR, out_dir / ckpt.FINAL_DIR
+
+    with _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)), torch_threads(config.num_threads):
+        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say)
+        resumed_from = _resume_or_baseline(run, ckpt_dir)
+        start_epoch = 0 if resumed_from is None else resumed_from + 1
+        timing = _Timing()
+        for epoch in range(start_epoch, config.epochs):
+            losses = _train_epoch(run, epoch, timing)
+            _end_epoch(run, epoch, losses, ckpt_dir, on_epoch)
+        if ranks.main:
+            run.core.eval()
+            ckpt.save_final(run.core, final_dir, config.save_dtype)
+            record = {**run.history, "config": asdict(config), "fingerprint": run.fingerprint, "notes": run.notes}
+            write_json_atomic(record, out_dir / ckpt.HISTORY_FILE)
+        ranks.barrier()
+    return _result(run, resumed_from, timing, started, final_dir, ckpt_dir, verifier_path, meta, train_keys, val_key)
+
+
+def _result(
+    run: _Run,
+    resumed_from: int | None,
+    timing: _Timing,
+    started: float,
+    final_dir: Path,
+    ckpt_dir: Path,
+    verifier_path: Path,
+    meta: dict[str, Any],
+    train_keys: list[str],
+    val_key: str,
+) -> TrainResult:
+    h = run.history
+    return TrainResult(
+        epochs=len(h["val_loss"]),
+        epochs_run=run.config.epochs - (0 if resumed_from is None else resumed_from + 1),
+        resumed_from_epoch=resumed_from,
+        steps=h["steps"],
+        tokens_trained=h["tokens_trained"],
+        train_loss=h["train_loss"],
+        val_loss=h["val_loss"],
+        val_loss_untrained=h.get("val_loss_untrained", float("nan")),
+        val_accuracy=h["val_accuracy"],
+        val_cond_accuracy=h["val_cond_accuracy"],
+        val_acceptance_length=h["val_acceptance_length"],
+        loss_curve=h["loss_curve"],
+        seconds=time.perf_counter() - started,
+        seconds_per_step=timing.seconds / timing.steps if timing.steps else 0.0,
+        cpu_seconds_per_step=timing.cpu_seconds / timing.steps if timing.steps else 0.0,
+        final_dir=final_dir,
+        checkpoint_dir=ckpt_dir,
+        verifier_path=verifier_path,
+        layer_ids=list(meta["layer_ids"]),
+        draft_vocab_size=int(run.core.draft_vocab_size),
+        train_partitions=train_keys,
+        val_partition=val_key,
+        notes=run.notes,
+        ranks=run.ranks.world,
+    )
