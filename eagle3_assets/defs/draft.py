@@ -1,11 +1,16 @@
 """``vocab_mapping`` and ``draft_model``: the draft vocabulary and the trained EAGLE-3 draft."""
 
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+
+if TYPE_CHECKING:
+    from eagle3_assets.training import TrainConfig, TrainResult
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
@@ -70,6 +75,51 @@ def vocab_mapping(
     )
 
 
+def _train_under_pipes(
+    context: dg.AssetExecutionContext,
+    data_store: DataStoreResource,
+    train_keys: list[str],
+    val_key: str,
+    verifier_path: Path,
+    train_config: "TrainConfig",
+) -> "TrainResult":
+    """``train_config.procs`` torchrun ranks under Dagster Pipes: rank 0's logs and per-epoch metrics stream into
+    this run; a failed rank fails the run with the message of :func:`~eagle3_assets.training.launch.failure_message`."""
+    import tempfile
+    from dataclasses import asdict
+
+    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.training import TrainResult
+    from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
+    from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
+
+    layout = data_store.layout
+    with tempfile.TemporaryDirectory(prefix="eagle3-train-") as work:
+        spec = TrainSpec(
+            str(layout.root), train_keys, val_key, str(verifier_path), asdict(train_config), f"{work}/result.json"
+        )
+        spec_path = spec.write(Path(work) / "train_spec.json")
+        command = torchrun_command(spec_path, train_config.procs, find_free_port())
+        context.log.info(f"draft_model: {train_config.procs} training processes: {' '.join(command)}")
+        try:
+            invocation = dg.PipesSubprocessClient().run(command=command, context=context, env=worker_env())
+        except dg.DagsterPipesExecutionError as error:
+            ckpt_dir = layout.draft_model_dir / CHECKPOINT_DIR
+            code = _exit_code(str(error))
+            raise dg.Failure(failure_message(code, ckpt_dir, train_config.procs)) from error
+        for message in invocation.get_custom_messages():
+            context.log.debug(f"epoch metrics: {message}")
+        return TrainResult.from_json(json.loads(Path(spec.result_path).read_text(encoding="utf-8")))
+
+
+def _exit_code(text: str) -> int:
+    """torchrun's exit code from Pipes' error text ("... failed with code N"), 1 when it does not say."""
+    import re
+
+    match = re.search(r"code (-?\d+)", text)
+    return int(match.group(1)) if match else 1
+
+
 class DraftTrainingConfig(dg.Config):
     epochs: int = 10
     lr: float = 1e-3
@@ -90,7 +140,8 @@ class DraftTrainingConfig(dg.Config):
     description=(
         "The EAGLE-3 draft, trained with speculators' own model classes on the stored hidden states with "
         "training-time-test steps; checkpointed every epoch and resumed after a crash; saved in speculators' "
-        "format (final/), which vLLM loads as an eagle3 speculator."
+        "format (final/), which vLLM loads as an eagle3 speculator. EAGLE3_TRAIN_PROCS > 1 trains in that many "
+        "torchrun processes (DDP) under Dagster Pipes."
     ),
 )
 def draft_model(
@@ -100,28 +151,31 @@ def draft_model(
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
-    from eagle3_assets.training import TrainConfig, train_draft
+    from eagle3_assets.training import TrainConfig
 
     train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
-    result = train_draft(
-        data_store.layout,
-        train_keys,
-        val_key,
-        verifier.resolved_path(),
-        TrainConfig(
-            epochs=config.epochs,
-            lr=config.lr,
-            tokens_per_batch=config.tokens_per_batch,
-            ttt_steps=config.ttt_steps,
-            num_layers=config.num_layers,
-            device=verifier.device,
-            max_steps_per_epoch=config.max_steps_per_epoch or None,
-            max_val_batches=config.max_val_batches or None,
-            init=config.init,
-            num_threads=config.num_threads or None,
-        ),
-        log=context.log.info,
+    train_config = TrainConfig(
+        epochs=config.epochs,
+        lr=config.lr,
+        tokens_per_batch=config.tokens_per_batch,
+        ttt_steps=config.ttt_steps,
+        num_layers=config.num_layers,
+        device=verifier.device,
+        max_steps_per_epoch=config.max_steps_per_epoch or None,
+        max_val_batches=config.max_val_batches or None,
+        init=config.init,
+        num_threads=config.num_threads or None,
+        procs=verifier.train_procs,
     )
+    if train_config.procs == 1:
+        from eagle3_assets.training import train_draft
+
+        # one process: in this one (no second interpreter paying the ~20 s speculators import)
+        result = train_draft(
+            data_store.layout, train_keys, val_key, verifier.resolved_path(), train_config, log=context.log.info
+        )
+    else:
+        result = _train_under_pipes(context, data_store, train_keys, val_key, verifier.resolved_path(), train_config)
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = "\n".join(
         f"| {i + 1} | {train:.4f} | {val:.4f} | {acc:.3f} |"
@@ -133,6 +187,7 @@ def draft_model(
         metadata={
             "epochs": result.epochs,
             "epochs_run": result.epochs_run,
+            "ranks": result.ranks,
             "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
             "steps": result.steps,
             "tokens_trained": result.tokens_trained,

@@ -146,3 +146,32 @@ def test_a_failing_rank_raises_training_failed(data: tuple[DataLayout, Path], tm
     bad = TrainSpec(**{**spec.__dict__, "val_key": "99999"})  # no such partition: every rank raises
     with pytest.raises(TrainingFailed, match="no checkpoint was written: the next run starts over"):
         run_training_processes(bad, 2, tmp_path)
+
+
+def test_draft_model_asset_trains_in_two_processes_under_pipes(data: tuple[DataLayout, Path], tmp_path: Path) -> None:
+    """EAGLE3_TRAIN_PROCS=2 (the verifier resource's train_procs): torchrun under Dagster Pipes, rank 0's epoch
+    lines in the run's logs, and the materialization says 2 ranks."""
+    import dagster as dg
+
+    from eagle3_assets.defs.draft import draft_model
+    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+
+    layout, verifier = data
+    layout = _copy(layout, tmp_path / "data")
+    resources = {
+        "data_store": DataStoreResource(data_dir=str(layout.root)),
+        "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", train_procs=2),
+    }
+    run_config = {
+        "ops": {
+            "draft_model": {"config": {"epochs": 2, "tokens_per_batch": 1536, "max_val_batches": 4, "num_threads": 1}}
+        }
+    }
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([draft_model], resources=resources, run_config=run_config, instance=instance)
+        assert result.success
+        metadata = result.asset_materializations_for_node("draft_model")[0].metadata
+        assert metadata["ranks"].value == 2 and metadata["epochs"].value == 2
+        logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+        assert any("draft_model epoch 2/2" in message for message in logs)  # streamed from rank 0 through Pipes
+    assert (layout.draft_model_dir / "final" / "config.json").exists()
