@@ -68,6 +68,8 @@ HS_SUBDIR = "hidden_states"
 TOKEN_FREQ_FILE = "token_freq.pt"
 # what the trainer must agree with (aux layer ids, widths, dtype); ours, not speculators'
 META_FILE = "eagle3_meta.json"
+# the embedded vLLM extraction server's connector files (read and deleted one by one; swept after a kill)
+TRANSFER_DIR = ".vllm-transfer"
 _TMP_FILE = re.compile(r"^\.hs_\d+\.safetensors\.tmp-\d+$")
 _HS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 # safetensors header + JSON metadata per file, and the two small per-row dataset columns (8 B each per token)
@@ -279,7 +281,7 @@ def _cleanup(data_dir: Path, n_rows: int) -> None:
     ``._dataset.tmp-*`` / ``.hs_*.tmp-*`` leftover, and sample files of rows beyond the partition."""
     remove_dead_writers_temps(data_dir)
     # The lock makes this process the partition's only writer, so these go whatever their pid (a reused pid too).
-    for leftover in data_dir.glob("._dataset.tmp-*"):
+    for leftover in [*data_dir.glob("._dataset.tmp-*"), data_dir / TRANSFER_DIR]:
         shutil.rmtree(leftover, ignore_errors=True)
     hs_dir = data_dir / HS_SUBDIR
     if not hs_dir.is_dir():
@@ -354,6 +356,10 @@ def extract_partition(
         if pending:
             (data_dir / HS_SUBDIR).mkdir(parents=True, exist_ok=True)
             vllm_options = dataclasses.replace(config.vllm, max_model_len=config.max_seq_len + 1)
+            if not vllm_options.urls and not vllm_options.storage_path:
+                # the embedded server's connector files live in the partition folder, so the sweep below removes
+                # what a killed run left in flight
+                vllm_options = dataclasses.replace(vllm_options, storage_path=str(data_dir / TRANSFER_DIR))
             backend = make_backend(
                 config.backend,
                 verifier_path,
@@ -370,6 +376,7 @@ def extract_partition(
                     new_bytes = _run_backend(backend, pending, data_dir, say)
             finally:
                 backend.close()
+                shutil.rmtree(data_dir / TRANSFER_DIR, ignore_errors=True)
         extract_seconds = time.perf_counter() - extract_started
 
         _save_dataset(data_dir, rows)

@@ -111,6 +111,24 @@ def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hid
     return states
 
 
+def sweep_stale_files(storage: Path, older_than_s: float) -> int:
+    """Delete connector files (and locks) older than ``older_than_s``: what killed clients left in a shared folder.
+
+    Safe next to live clients: a client waits at most its request timeout for the answer and reads the file at once,
+    so a file older than twice the timeout has no reader left.
+    """
+    import time
+
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for entry in storage.glob("*.safetensors*"):
+        with contextlib.suppress(FileNotFoundError):
+            if entry.stat().st_mtime < cutoff:
+                entry.unlink()
+                removed += 1
+    return removed
+
+
 class VLLMBackend:
     """Hidden states from vLLM extraction servers; see the module docstring."""
 
@@ -146,6 +164,10 @@ class VLLMBackend:
             urls, storage = list(self.options.urls), self.options.storage_path
             if not urls:
                 urls, storage = self._start_embedded(Path(verifier_path))
+            elif storage is not None and Path(storage).is_dir():
+                swept = sweep_stale_files(Path(storage), 2 * self.options.timeout_s)
+                if swept:
+                    self._say(f"hidden_states: removed {swept} stale connector file(s) from {storage}")
             self._storage = storage
             self._pool, self._clients, self._model = self._connect(urls)
         except BaseException:
@@ -168,6 +190,7 @@ class VLLMBackend:
             served_model_name=EMBEDDED_MODEL_NAME,
             max_model_len=self.options.max_model_len,
             startup_timeout_s=self.options.startup_timeout_s,
+            die_with_parent=True,  # a SIGKILLed run must not leave a vLLM server behind
         )
         self._say(
             f"hidden_states: extraction server ready at {self._server.base_url} in {self._server.startup_s:.0f} s"

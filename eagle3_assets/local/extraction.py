@@ -76,6 +76,8 @@ def extraction_server_config(
     startup_timeout_s: float = 600.0,
     log_dir: Path | None = None,
     python: Path | None = None,
+    die_with_parent: bool = False,
+    dtype: str = "float32",
 ) -> VLLMServerConfig:
     """The server configuration; ``max_model_len`` is capped at the verifier's ``max_position_embeddings``."""
     verifier_path = Path(verifier_path).resolve()
@@ -88,12 +90,14 @@ def extraction_server_config(
         port=port or find_free_port(),
         python=python,
         max_model_len=min(max_model_len, max_model_len_for(verifier_path, max_model_len)),
+        dtype=dtype,  # float32 on the CPU (exact against hf); bfloat16 on GPUs
         reasoning_parser=None,  # max_tokens=1: nothing to parse
         speculative_config=speculative_config(layer_ids, num_layers),
         extra_args=["--kv-transfer-config", json.dumps(kv_transfer_config(storage_path), sort_keys=True)],
         extra_env={"PYTHONPATH": python_path},
         startup_timeout_s=startup_timeout_s,
         log_dir=log_dir,
+        die_with_parent=die_with_parent,
     )
 
 

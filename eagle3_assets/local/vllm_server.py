@@ -7,42 +7,59 @@ it is always run as a subprocess of *that* interpreter, never imported here. The
 The server gets its own process group (session): stopping signals the whole group (API server + engine core),
 first SIGINT (vLLM's graceful path, what Ctrl-C in a terminal does), then SIGTERM, then SIGKILL.
 
-CLI (``python -m eagle3_assets.local.vllm_server`` / ``eagle3 serve-local``):
-
-* ``serve --model DIR [--port P]``   foreground; Ctrl-C or SIGTERM stops the server;
-* ``start --model DIR [--port P] [--pid-file F]``  detached; returns once ``/v1/models`` answers 200;
-* ``stop [--port P | --pid-file F]``  stops what ``start`` started;
-* ``status [--port P]``  exit 0 when a server answers on that port.
-
-API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
-process has ``VLLM_API_KEY`` in its environment (or is given ``--api-key``, which every user sees in ``ps``: pass
-the key through the environment instead). The health check sends the key the server was given, read from the
-server's environment (``extra_env`` over the caller's) or from an ``--api-key`` in ``extra_args``; it is never put on
-the command line, in the log or in an error message. A server that answers 401 fails ``start()`` at once.
+The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_server``) is
+:mod:`eagle3_assets.local.vllm_cli`; probing a running server (models, API key, metrics) is
+:mod:`eagle3_assets.local.vllm_probe`; stopping a process group is :mod:`eagle3_assets.local.process_group`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from eagle3_assets.local.process_group import _only_zombies, stop_process_group
+from eagle3_assets.local.vllm_probe import (
+    API_KEY_ENV,
+    _key_in_args,
+    _probe_models,
+    _unauthorized_message,
+    list_models,
+    log_tail,
+    metric_total,
+    read_metrics,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "REPO_ROOT",
+    "LocalVLLMServer",
+    "VLLMNotInstalledError",
+    "VLLMServerConfig",
+    "VLLMServerError",
+    "_only_zombies",
+    "check_vllm_python",
+    "find_free_port",
+    "list_models",
+    "log_tail",
+    "main",
+    "metric_total",
+    "port_in_use",
+    "read_metrics",
+    "stop_process_group",
+]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "EAGLE3_VLLM_PYTHON"
 ENV_LOG_DIR = "EAGLE3_VLLM_LOG_DIR"
@@ -71,6 +88,15 @@ _EXEC_SHIM = (
     "import os, signal, sys; stops = {signal.SIGINT, signal.SIGTERM}; "
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, stops); [signal.signal(s, signal.SIG_DFL) for s in stops]; "
     "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', *sys.argv[1:]])"
+)
+
+# Prepended to the shim for a server that must not outlive the process that started it (the hidden-states backend's
+# embedded server): the kernel sends SIGTERM (vLLM's graceful stop, which also ends its engine core) when the
+# starting thread's process dies, even by SIGKILL. The setting survives exec. Linux only; elsewhere a no-op.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; parent = int(sys.argv.pop(1)); "
+    "sys.platform.startswith('linux') and ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
+    "os.getppid() != parent and os._exit(1); "
 )
 
 
@@ -128,97 +154,6 @@ def port_in_use(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
-
-
-def _probe_models(base_url: str, timeout_s: float, api_key: str | None) -> tuple[list[str] | None, int | None]:
-    """(model ids or None, HTTP status or None when nothing answered) of ``GET {base_url}/models``."""
-    request = urllib.request.Request(f"{base_url.rstrip('/')}/models")
-    if api_key:
-        # Unredirected: a redirect to another host never carries the key along.
-        request.add_unredirected_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status = int(response.status)
-            if status != 200:
-                return None, status
-            payload = json.loads(response.read().decode("utf-8"))
-    except urllib.error.HTTPError as error:
-        error.close()
-        return None, int(error.code)
-    except (OSError, ValueError):  # URLError/timeouts are OSErrors; bad JSON is a ValueError
-        return None, None
-    if not isinstance(payload, dict):
-        return None, 200
-    return [str(item.get("id")) for item in payload.get("data", []) if isinstance(item, dict)], 200
-
-
-def list_models(base_url: str, timeout_s: float = 5.0, api_key: str | None = None) -> list[str] | None:
-    """Model ids served at ``base_url`` (``http://host:port/v1``), or None if it does not answer 200.
-
-    ``api_key``: sent as ``Authorization: Bearer`` (a server started with ``VLLM_API_KEY`` answers 401 without it).
-    """
-    return _probe_models(base_url, timeout_s, api_key)[0]
-
-
-def _unauthorized_message(base_url: str, api_key: str | None) -> str:
-    """Why a 401 happened, without the key."""
-    sent = (
-        f"it refused the key that was sent (from {API_KEY_ENV} or --api-key)"
-        if api_key
-        else f"no key was sent (set {API_KEY_ENV} in the environment of the caller or in extra_env)"
-    )
-    return f"the server requires an API key: {base_url}/models answered 401 Unauthorized; {sent}"
-
-
-def _key_in_args(args: Sequence[str]) -> str | None:
-    """The value of an ``--api-key`` in vLLM arguments (``--api-key K`` or ``--api-key=K``), if any."""
-    args = [str(arg) for arg in args]
-    for i, arg in enumerate(args):
-        if arg.startswith("--api-key="):
-            return arg.split("=", 1)[1] or None
-        if arg == "--api-key" and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            return args[i + 1]
-    return None
-
-
-def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:
-    """The server's Prometheus text (``/metrics`` lives beside ``/v1``, not under it)."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    with urllib.request.urlopen(f"{root}/metrics", timeout=timeout_s) as response:
-        return response.read().decode("utf-8")
-
-
-def metric_total(base_url_or_text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
-    """Sum of a Prometheus counter over the series whose labels match ``labels``.
-
-    ``base_url_or_text``: a base URL (``http://host:port/v1``, fetched) or /metrics text already read. E.g.
-    ``metric_total(url, "vllm:request_success_total")`` counts finished requests of every finish reason;
-    ``"vllm:spec_decode_num_accepted_tokens_total"`` / ``"vllm:spec_decode_num_drafts_total"`` give EAGLE-3's mean
-    acceptance length as 1 + accepted / drafts.
-    """
-    text = read_metrics(base_url_or_text) if base_url_or_text.startswith(("http://", "https://")) else base_url_or_text
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$")
-    total = 0.0
-    for line in text.splitlines():
-        match = pattern.match(line)
-        if not match:
-            continue
-        series = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-        if labels and any(series.get(key) != value for key, value in labels.items()):
-            continue
-        total += float(match.group(2))
-    return total
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
 @dataclass
 class VLLMServerConfig:
     """How to run the server. ``extra_args`` are appended verbatim (e.g. ``--max-num-seqs 64``)."""
@@ -239,6 +174,7 @@ class VLLMServerConfig:
     log_dir: Path | None = None  # default: default_log_dir()
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     reuse_existing: bool = False  # use an already-healthy server on host:port instead of starting one
+    die_with_parent: bool = False  # SIGTERM the server when the starting process dies (Linux)
 
     @property
     def model_name(self) -> str:
@@ -249,7 +185,10 @@ class VLLMServerConfig:
         return f"http://{self.host}:{self.port}/v1"
 
     def command(self, python: Path) -> list[str]:
-        cmd = [str(python), "-c", _EXEC_SHIM]
+        if self.die_with_parent:
+            cmd = [str(python), "-c", _DIE_WITH_PARENT + _EXEC_SHIM, str(os.getpid())]
+        else:
+            cmd = [str(python), "-c", _EXEC_SHIM]
         cmd += ["--model", str(Path(self.model).resolve()), "--served-model-name", self.model_name]
         cmd += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
         cmd += ["--max-model-len", str(self.max_model_len)]
@@ -430,253 +369,11 @@ class LocalVLLMServer:
         self.stop()
 
 
-def stop_process_group(pid: int, grace_s: float = 30.0, process: subprocess.Popen[bytes] | None = None) -> int | None:
-    """SIGINT, then SIGTERM, then SIGKILL to the process group led by ``pid``; wait for all of it to exit."""
-    pgid = pid  # start_new_session=True makes the server its group leader
-    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        if _wait_group_gone(pgid, pid, wait_s, process):
-            break
-    code = None
-    if process is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            code = process.wait(timeout=5)
-    return code
-
-
-def _wait_group_gone(pgid: int, pid: int, timeout_s: float, process: subprocess.Popen[bytes] | None) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None:
-            process.poll()  # reap the leader so it does not linger as a zombie group member
-        else:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        # The engine core may outlive the API server briefly; a zombie leader alone still counts as "gone".
-        if _only_zombies(pgid):
-            return True
-        time.sleep(0.25)
-    return False
-
-
-def _only_zombies(pgid: int) -> bool:
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return False
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # /proc/PID/stat: "pid (comm) state ppid pgrp ..." - comm may contain spaces, so split after ')'.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------------------------- CLI
-
-
-def _pid_file(args: argparse.Namespace) -> Path:
-    if args.pid_file is not None:
-        return Path(args.pid_file)
-    log_dir = Path(args.log_dir) if args.log_dir is not None else default_log_dir()
-    return log_dir / f"vllm-{args.port}.pid"
-
-
-def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
-    extra = list(args.extra_arg or [])
-    return VLLMServerConfig(
-        model=Path(args.model),
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        python=Path(args.python) if args.python else None,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        reasoning_parser=None if args.reasoning_parser in ("", "none") else args.reasoning_parser,
-        enforce_eager=not args.no_enforce_eager,
-        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
-        extra_args=extra,
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        startup_timeout_s=args.startup_timeout,
-        reuse_existing=args.reuse,
-    )
-
-
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    server = LocalVLLMServer(_config_from_args(args))
-    # SIGTERM (e.g. from make or a supervisor) takes the same clean path as Ctrl-C; both are taken even when this
-    # process inherited them ignored (a background shell job) or blocked.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        print(f"starting vLLM on {server.base_url} (log: {_expected_log(args)}) ...", flush=True)
-        server.start()
-        print(
-            f"vLLM ready at {server.base_url} model={server.model_name!r} in {server.startup_s:.0f} s; Ctrl-C stops",
-            flush=True,
-        )
-        if server.reused:
-            print("(reusing a server that was already running; it will be left running)", flush=True)
-            return 0
-        code = server.wait()
-        print(f"vLLM exited with code {code}; log {server.log_path}", file=sys.stderr)
-        return code or 1
-    except KeyboardInterrupt:
-        print("stopping vLLM ...", flush=True)
-        return 0
-    except VLLMServerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        server.stop()
-
-
-def _expected_log(args: argparse.Namespace) -> Path:
-    log_dir = Path(args.log_dir) if args.log_dir else default_log_dir()
-    return log_dir / f"vllm-{args.port}.log"
-
-
-def _cmd_start(args: argparse.Namespace) -> int:
-    cfg = _config_from_args(args)
-    pid_file = _pid_file(args)
-    server = LocalVLLMServer(cfg)
-    try:
-        server.start()
-    except VLLMServerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    if server.reused:
-        print(f"vLLM already running at {server.base_url}; reusing it", flush=True)
-        return 0
-    assert server.process is not None
-    pid_file.parent.mkdir(parents=True, exist_ok=True)
-    record = {"pid": server.process.pid, "base_url": server.base_url, "model": server.model_name}
-    record["log"] = str(server.log_path)
-    pid_file.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    # Detach: the server is in its own session and keeps running after this command exits.
-    server.process = None
-    print(f"vLLM ready at {cfg.base_url} model={cfg.model_name!r} in {server.startup_s:.0f} s", flush=True)
-    print(f"pid file {pid_file}; log {server.log_path}; stop with: stop --pid-file {pid_file}", flush=True)
-    return 0
-
-
-def _cmd_stop(args: argparse.Namespace) -> int:
-    pid_file = _pid_file(args)
-    if not pid_file.is_file():
-        print(f"no pid file {pid_file}; nothing to stop", flush=True)
-        return 0
-    record = json.loads(pid_file.read_text(encoding="utf-8"))
-    pid = int(record["pid"])
-    if not _is_vllm_process(pid):
-        print(f"pid {pid} from {pid_file} is not a running vLLM server; removing the stale pid file", flush=True)
-        pid_file.unlink(missing_ok=True)
-        return 0
-    print(f"stopping vLLM (pid {pid}, {record.get('base_url')}) ...", flush=True)
-    stop_process_group(pid, grace_s=args.grace)
-    pid_file.unlink(missing_ok=True)
-    print("stopped", flush=True)
-    return 0
-
-
-def _is_vllm_process(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc (macOS): trust the pid file
-    # Guards against the pid having been reused by an unrelated process since `start`.
-    return b"vllm" in cmdline
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    base_url = f"http://{args.host}:{args.port}/v1"
-    api_key = os.environ.get(API_KEY_ENV) or None
-    models, status = _probe_models(base_url, 5.0, api_key)
-    if status == 401:
-        print(_unauthorized_message(base_url, api_key))
-        return 1
-    if models is None:
-        print(f"no server answering at {base_url}")
-        return 1
-    print(f"{base_url} serves {models}")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3 serve-local", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--host", default=DEFAULT_HOST)
-        p.add_argument("--port", type=int, default=DEFAULT_PORT)
-        p.add_argument("--log-dir", type=Path, default=None, help=f"default ${ENV_LOG_DIR} or $TMPDIR/eagle3-vllm")
-
-    def server_opts(p: argparse.ArgumentParser) -> None:
-        common(p)
-        p.add_argument("--model", required=True, type=Path, help="model directory (e.g. from `eagle3 tiny-model`)")
-        p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
-        p.add_argument("--python", default=None, help=f"vLLM interpreter (default ${ENV_PYTHON} or .venv-vllm)")
-        p.add_argument("--max-model-len", type=int, default=1024)
-        p.add_argument("--kv-cache-gib", type=int, default=1)
-        p.add_argument("--reasoning-parser", default="deepseek_r1", help="'none' to disable")
-        p.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile (slower start-up)")
-        p.add_argument("--speculative-config", default=None, help="JSON passed to vLLM --speculative-config")
-        p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
-        p.add_argument("--reuse", action="store_true", help="reuse a healthy server already on the port")
-        p.add_argument(
-            "--extra-arg", action="append", help="extra vLLM argument, repeatable (--extra-arg=--max-num-seqs=64)"
-        )
-
-    serve = sub.add_parser("serve", help="run in the foreground until Ctrl-C")
-    server_opts(serve)
-    serve.set_defaults(func=_cmd_serve)
-
-    start = sub.add_parser("start", help="start detached, wait until healthy, write a pid file")
-    server_opts(start)
-    start.add_argument("--pid-file", type=Path, default=None, help="default LOG_DIR/vllm-PORT.pid")
-    start.set_defaults(func=_cmd_start)
-
-    stop = sub.add_parser("stop", help="stop the server recorded in the pid file")
-    common(stop)
-    stop.add_argument("--pid-file", type=Path, default=None, help="default LOG_DIR/vllm-PORT.pid")
-    stop.add_argument("--grace", type=float, default=30.0, help="seconds to wait after SIGINT before SIGTERM")
-    stop.set_defaults(func=_cmd_stop)
-
-    status = sub.add_parser("status", help="exit 0 if a server answers /v1/models on the port")
-    common(status)
-    status.set_defaults(func=_cmd_status)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """``eagle3 serve-local``: see :mod:`eagle3_assets.local.vllm_cli`."""
+    from eagle3_assets.local.vllm_cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ def worker_main(spec_path: Path) -> int:
     _die_with_parent()
     spec = TrainSpec.read(spec_path)
     config = TrainConfig(**spec.config)
-    backend = "nccl" if torch.cuda.is_available() and config.device != "cpu" else "gloo"
-    dist.init_process_group(backend)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = torch.cuda.is_available() and config.device != "cpu"
+    # NCCL needs a GPU of its own per rank; ranks sharing a GPU (or on the CPU) talk through gloo
+    dist.init_process_group("nccl" if on_gpu and torch.cuda.device_count() >= world else "gloo")
     rank = dist.get_rank()
     pipes = _open_pipes(rank)
     try:

@@ -31,7 +31,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and "LOCAL_RANK" in os.environ:
-        name = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        # one GPU per rank; more ranks than GPUs share them round-robin (the GPU check runs 2 ranks on 1 GPU)
+        name = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
     return torch.device(name)
 
 

@@ -29,15 +29,32 @@ KILLS = [(2, "samples"), (17, "samples"), (5, "final-writes")]
 
 CHILD = block_before_rename(3) + textwrap.dedent(
     f"""
-    import sys
+    import os, sys
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
     from eagle3_assets.storage import DataLayout
+    url = os.environ.get("EAGLE3_TEST_HS_URL", "")
+    backend = {{"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,))}} if url else {{}}
     print("START", flush=True)
     extract_partition(DataLayout.at(sys.argv[1]), "{KEY}", sys.argv[2],
-                      HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600))
+                      HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600, **backend))
     print("DONE", flush=True)
     """
 )
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The same kill scenarios with each hidden-states backend (vllm: a real CPU extraction server); the child
+    reads the server from EAGLE3_TEST_HS_URL. Returns the HiddenStatesConfig fields of that backend."""
+    if request.param == "hf":
+        monkeypatch.delenv("EAGLE3_TEST_HS_URL", raising=False)
+        return {}
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+
+    url, _storage = request.getfixturevalue("hidden_states_server")
+    monkeypatch.setenv("EAGLE3_TEST_HS_URL", url)
+    return {"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,))}
 
 
 def _count(folder: Path) -> int:
@@ -96,7 +113,7 @@ def _assert_equal_partitions(layout: DataLayout, reference: DataLayout, where: s
 @pytest.mark.slow
 @pytest.mark.parametrize(("seed", "mode"), KILLS)
 def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterrupted_run(
-    seed: int, mode: str, prepared: tuple[Path, Path, Path], tmp_path: Path
+    seed: int, mode: str, prepared: tuple[Path, Path, Path], tmp_path: Path, backend: dict
 ) -> None:
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
 
@@ -126,7 +143,7 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
     where = f"seed {seed} ({mode}), threshold {threshold}, delay {delay:.3f} s"
 
     kept = {p.name: p.stat().st_mtime_ns for p in hs_dir.iterdir()} if hs_dir.is_dir() else {}
-    result = extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
+    result = extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600, **backend))
     whole = {name for name in kept if name.startswith("hs_")}
     assert result.skipped_existing >= len(whole) - 1, where  # at most the file being written at the kill was redone
     after = {name: (hs_dir / name).stat().st_mtime_ns for name in whole if (hs_dir / name).exists()}
@@ -137,7 +154,7 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
 
 @pytest.mark.slow
 def test_temporary_files_of_a_killed_extraction_are_removed_by_the_next_run(
-    prepared: tuple[Path, Path, Path], tmp_path: Path
+    prepared: tuple[Path, Path, Path], tmp_path: Path, backend: dict
 ) -> None:
     """The child stops for good just before renaming token_freq.pt's temporary file into place and is SIGKILLed;
     the next run equals an uninterrupted run's and leaves no temporary entry anywhere under hidden_states/."""
@@ -155,7 +172,7 @@ def test_temporary_files_of_a_killed_extraction_are_removed_by_the_next_run(
     stale = sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
     assert [name.split("-")[0] for name in stale] == [f"{KEY}/.token_freq.pt.tmp"], stale  # what the kill left
 
-    extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
+    extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600, **backend))
     _assert_equal_partitions(layout, DataLayout.at(reference), "after a kill during the token_freq write")
     left = sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
     assert left == [], f"temporary files of a killed extraction left under {folder}: {left}"

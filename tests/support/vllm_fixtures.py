@@ -53,3 +53,31 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     )
     with LocalVLLMServer(config) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def hidden_states_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(base URL, shared storage folder) of a CPU vLLM in hidden-states extraction mode on the tests' cached tiny
+    verifier (layer ids 1,2,3), started and stopped through ``eagle3 serve-local start/stop --hidden-states``."""
+    import subprocess
+    import sys
+
+    from support.hidden_states_data import cached_tiny_verifier
+
+    try:
+        check_vllm_python()
+    except VLLMNotInstalledError as exc:
+        if os.environ.get("EAGLE3_REQUIRE_VLLM", "").strip() in {"1", "true", "yes"}:
+            pytest.fail(f"EAGLE3_REQUIRE_VLLM is set but the vLLM venv is unusable: {exc}")
+        pytest.skip(f"local vLLM not installed (run `make install-vllm`): {exc}")
+    port = find_free_port()
+    logs = tmp_path_factory.mktemp("hs-vllm-logs")
+    storage = tmp_path_factory.mktemp("hs-transfer")
+    cli = [sys.executable, "-m", "eagle3_assets.local.vllm_server"]
+    where = ["--port", str(port), "--log-dir", str(logs)]
+    start = [*cli, "start", *where, "--model", str(cached_tiny_verifier()), "--served-model-name", "tiny-verifier"]
+    subprocess.run([*start, "--hidden-states", "--layer-ids", "1,2,3", "--storage", str(storage)], check=True)
+    try:
+        yield f"http://127.0.0.1:{port}/v1", storage
+    finally:
+        subprocess.run([*cli, "stop", *where], check=True)
