@@ -37,7 +37,8 @@ def main() -> int:
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import plan_batches, torch_threads
-    from eagle3_assets.hidden_states.extract import _read_ok_responses, _render_rows
+    from eagle3_assets.hidden_states.samples import read_ok_responses as _read_ok_responses
+    from eagle3_assets.hidden_states.samples import render_rows as _render_rows
     from eagle3_assets.storage import DataLayout
     from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
@@ -47,7 +48,7 @@ def main() -> int:
         layout = DataLayout.at(Path(tmp) / "data")
         fabricate_responses(layout, "00000", args.samples, min_words=60, max_words=140)
         ok, _ = _read_ok_responses(layout, "00000")
-        rows = _render_rows(ok, verifier, 2048)
+        rows, _served = _render_rows(ok, verifier, 2048, args.vocab_size, "00000")
         ids = [r.input_ids for r in rows]
         tokens = sum(len(x) for x in ids)
         batches = plan_batches([len(x) for x in ids], args.batch_tokens)

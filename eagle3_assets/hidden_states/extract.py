@@ -13,12 +13,10 @@ checked against speculators 0.9.0's loader and ``hs_connectors.FileTransfer``)::
 plus ``layout.hidden_states_index_path(key)`` (sample_id, row, seq_len, n_loss_tokens, file, bytes), written
 atomically LAST: its presence means the partition is complete.
 
-Rows are the partition's ``ok`` responses sorted by ``sample_id``, so a re-run assigns every sample the same
-row. A sample's tokens are the server's own ``prompt_token_ids + completion_token_ids`` (loss on the completion)
-when the response has them, else the conversation re-rendered with the verifier's chat template. Resuming: every
-sample file is written to a temporary name and renamed, so after a kill a file either is
-whole or is a ``.hs_*.tmp-*`` leftover (deleted); a file at its final name is kept when it opens, has the
-right shape and its ``token_ids`` equal the sample's freshly rendered ids, otherwise it is redone.
+Which responses become rows and how a sample file is written: :mod:`eagle3_assets.hidden_states.samples`; the
+asset checks: :mod:`eagle3_assets.hidden_states.checks`. Resuming: a sample file at its final name is kept when it
+opens, has the right shape and its ``token_ids`` equal the sample's ids, otherwise it is redone; the temporary
+files a killed run left are deleted first.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import time
 from collections import Counter
@@ -45,6 +42,26 @@ from eagle3_assets.hidden_states.backends import (
     torch_threads,
     verifier_shape,
 )
+from eagle3_assets.hidden_states.checks import (  # noqa: F401 (re-exported: callers import them from here)
+    META_FILE,
+    CheckOutcome,
+    check_finite,
+    check_one_per_ok_response,
+    check_token_ids,
+    read_meta,
+)
+from eagle3_assets.hidden_states.samples import (
+    HS_FILE,
+    HS_SUBDIR,
+    TMP_FILE,
+    Row,
+    estimate_bytes,
+    hs_file,
+    read_ok_responses,
+    render_rows,
+    validate_sample_file,
+    write_sample,
+)
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import (
@@ -52,7 +69,6 @@ from eagle3_assets.storage import (
     atomic_path,
     ensure_free_space,
     exclusive_lock,
-    read_json,
     remove_dead_writers_temps,
     write_json_atomic,
     write_parquet_atomic,
@@ -60,23 +76,13 @@ from eagle3_assets.storage import (
 
 if TYPE_CHECKING:
     import polars as pl
-    import torch
 
 logger = logging.getLogger(__name__)
 
-HS_SUBDIR = "hidden_states"
 TOKEN_FREQ_FILE = "token_freq.pt"
-# what the trainer must agree with (aux layer ids, widths, dtype); ours, not speculators'
-META_FILE = "eagle3_meta.json"
 # the embedded vLLM extraction server's connector files (read and deleted one by one; swept after a kill)
 TRANSFER_DIR = ".vllm-transfer"
-_TMP_FILE = re.compile(r"^\.hs_\d+\.safetensors\.tmp-\d+$")
-_HS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
-# safetensors header + JSON metadata per file, and the two small per-row dataset columns (8 B each per token)
-_FILE_OVERHEAD = 512
-_DATASET_BYTES_PER_TOKEN = 16
 _WRITERS = 4
-TOKEN_ID_COLUMNS = ("prompt_token_ids", "completion_token_ids")
 
 
 @dataclass(frozen=True)
@@ -126,119 +132,7 @@ class HiddenStatesResult:
     served_token_ids: int = 0  # samples trained on the server's own token ids (the rest were re-rendered)
 
 
-@dataclass(frozen=True)
-class _Row:
-    row: int
-    sample_id: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    truncated: bool
-
-
-def hs_file(data_dir: Path, row: int) -> Path:
-    return data_dir / HS_SUBDIR / f"hs_{row}.safetensors"
-
-
-def estimate_bytes(tokens: int, samples: int, n_states: int, hidden_size: int, dtype: str) -> int:
-    """Bytes a partition needs: the floor (tokens x states x H x dtype) plus token ids, headers and the dataset."""
-    per_token = n_states * hidden_size * DTYPES[dtype] + 8 + _DATASET_BYTES_PER_TOKEN
-    return tokens * per_token + samples * _FILE_OVERHEAD
-
-
-def _read_ok_responses(layout: DataLayout, partition_key: str) -> tuple[pl.DataFrame, int]:
-    import polars as pl
-
-    path = layout.responses_path(partition_key)
-    if not path.exists():
-        raise FileNotFoundError(f"no synthetic_responses partition {partition_key!r} at {path}")
-    columns = ["sample_id", "messages", "reasoning", "content", "status"]
-    # partitions generated before the token-id columns existed (or by a server without them) render instead
-    served = [c for c in TOKEN_ID_COLUMNS if c in pl.read_parquet_schema(path)]
-    frame = pl.read_parquet(path, columns=columns + served)
-    for column in set(TOKEN_ID_COLUMNS) - set(served):
-        frame = frame.with_columns(pl.lit(None, dtype=pl.List(pl.Int64)).alias(column))
-    ok = frame.filter(pl.col("status") == "ok").sort("sample_id")
-    if ok["sample_id"].n_unique() != ok.height:
-        raise ValueError(f"{path} repeats a sample_id among its ok responses")
-    return ok, frame.height - ok.height
-
-
-def _render_rows(
-    ok: pl.DataFrame, verifier_path: Path, max_seq_len: int, vocab_size: int, partition_key: str
-) -> tuple[list[_Row], int]:
-    """The training sequence of every ok response, and how many of them are the server's own token ids.
-
-    The server's ids (``prompt_token_ids`` + ``completion_token_ids``, loss on the completion) are exactly what
-    vLLM will feed the draft; re-tokenizing the rendered text is the fallback for responses without them.
-    """
-    from transformers import AutoTokenizer
-
-    from eagle3_assets.hidden_states.render import ChatRenderer
-
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(verifier_path)), max_seq_len)
-    rows = []
-    served = 0
-    for row, record in enumerate(ok.iter_rows(named=True)):
-        prompt_ids, completion_ids = record["prompt_token_ids"], record["completion_token_ids"]
-        if prompt_ids is not None and completion_ids is not None:
-            ids = [*prompt_ids, *completion_ids]
-            if ids and max(ids) >= vocab_size:
-                raise ValueError(
-                    f"synthetic_responses partition {partition_key}, sample {record['sample_id']}: token id "
-                    f"{max(ids)} is outside the verifier's vocabulary ({vocab_size} at {verifier_path}); the "
-                    "responses were generated by another model than EAGLE3_VERIFIER_PATH"
-                )
-            mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
-            rows.append(_Row(row, record["sample_id"], ids[:max_seq_len], mask[:max_seq_len], len(ids) > max_seq_len))
-            served += 1
-            continue
-        sample = renderer.render(record["messages"] or [], record["reasoning"], record["content"])
-        rows.append(_Row(row, record["sample_id"], sample.input_ids, sample.loss_mask, sample.truncated))
-    return rows, served
-
-
-def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden_size: int, dtype: str) -> str | None:
-    """Why the stored file cannot be reused (None when it can): opens, shapes, dtype, token_ids == input_ids.
-
-    Reads the header and the token ids only; the hidden states themselves are checked by
-    :func:`check_finite` (reading every value of a partition is the check's job, not every resume's).
-    """
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-            if keys != {"hidden_states", "token_ids"}:
-                return f"keys {sorted(keys)}"
-            hs = handle.get_slice("hidden_states")
-            shape = tuple(hs.get_shape())
-            if shape != (len(input_ids), n_states, hidden_size):
-                return f"shape {shape} != {(len(input_ids), n_states, hidden_size)}"
-            stored_dtype = hs.get_dtype()
-            if stored_dtype != {"bfloat16": "BF16", "float32": "F32"}[dtype]:
-                return f"dtype {stored_dtype}"
-            if handle.get_tensor("token_ids").tolist() != input_ids:
-                return "token_ids differ from the rendered sample"
-    except Exception as error:
-        return f"unreadable ({type(error).__name__}: {error})"
-    return None
-
-
-def _write_sample(path: Path, hidden_states: torch.Tensor, input_ids: list[int], sample_id: str) -> int:
-    import torch
-    from safetensors.torch import save_file
-
-    # Catch a broken verifier at the source instead of training on NaNs (the same test speculators applies).
-    lo, hi = torch.aminmax(hidden_states)
-    if not bool(torch.isfinite(torch.stack((lo, hi))).all()):
-        raise ValueError(f"hidden states of {sample_id} contain non-finite values (min={lo}, max={hi})")
-    tensors = {"hidden_states": hidden_states.contiguous(), "token_ids": torch.tensor(input_ids, dtype=torch.long)}
-    with atomic_path(path, needed_bytes=hidden_states.numel() * hidden_states.element_size()) as tmp:
-        save_file(tensors, str(tmp))
-    return path.stat().st_size
-
-
-def _save_dataset(data_dir: Path, rows: list[_Row]) -> None:
+def _save_dataset(data_dir: Path, rows: list[Row]) -> None:
     """speculators' dataset (torch format) via save_to_disk into a temp folder, then renamed into place."""
     from datasets import Dataset
 
@@ -263,7 +157,7 @@ def _save_dataset(data_dir: Path, rows: list[_Row]) -> None:
     tmp.rmdir()
 
 
-def _save_token_freq(data_dir: Path, rows: list[_Row]) -> dict[int, int]:
+def _save_token_freq(data_dir: Path, rows: list[Row]) -> dict[int, int]:
     import torch
 
     counts: Counter[int] = Counter()
@@ -287,10 +181,66 @@ def _cleanup(data_dir: Path, n_rows: int) -> None:
     if not hs_dir.is_dir():
         return
     for entry in hs_dir.iterdir():
-        match = _HS_FILE.match(entry.name)
+        match = HS_FILE.match(entry.name)
         # half-written temp files from a killed run, and rows beyond the partition (responses shrank)
-        if _TMP_FILE.match(entry.name) or (match and int(match.group(1)) >= n_rows):
+        if TMP_FILE.match(entry.name) or (match and int(match.group(1)) >= n_rows):
             entry.unlink(missing_ok=True)
+
+
+def _pending_rows(
+    rows: list[Row], data_dir: Path, n_states: int, hidden_size: int, dtype: str
+) -> tuple[list[Row], Counter[str]]:
+    """The rows whose sample file must be computed; a stored file that fails validation is deleted and counted."""
+    pending: list[Row] = []
+    reasons: Counter[str] = Counter()
+    for r in rows:
+        path = hs_file(data_dir, r.row)
+        if path.exists():
+            why = validate_sample_file(path, r.input_ids, n_states, hidden_size, dtype)
+            if why is None:
+                continue
+            reasons[why.split(" (")[0]] += 1
+            path.unlink()
+        pending.append(r)
+    return pending, reasons
+
+
+def _compute(
+    config: HiddenStatesConfig,
+    verifier_path: Path,
+    layer_ids: list[int],
+    pending: list[Row],
+    data_dir: Path,
+    say: Callable[[str], None],
+) -> float:
+    """Run the backend over the pending rows and write their files; returns the extraction seconds (start-up of the
+    backend, a model load or a server start, excluded)."""
+    (data_dir / HS_SUBDIR).mkdir(parents=True, exist_ok=True)
+    vllm_options = dataclasses.replace(config.vllm, max_model_len=config.max_seq_len + 1)
+    if not vllm_options.urls and not vllm_options.storage_path:
+        # the embedded server's connector files live in the partition folder, so the next run's sweep removes
+        # what a killed run left in flight
+        vllm_options = dataclasses.replace(vllm_options, storage_path=str(data_dir / TRANSFER_DIR))
+    backend = make_backend(
+        config.backend, verifier_path, layer_ids, config.dtype, config.device, config.batch_tokens,
+        vllm_options=vllm_options, log=say,
+    )  # fmt: skip
+    started = time.perf_counter()
+    try:
+        with torch_threads(config.num_threads):
+            _run_backend(backend, pending, data_dir, say)
+    finally:
+        backend.close()
+        shutil.rmtree(data_dir / TRANSFER_DIR, ignore_errors=True)
+    return time.perf_counter() - started
+
+
+def _finish(data_dir: Path, index_path: Path, rows: list[Row], meta: dict[str, Any]) -> int:
+    """The training dataset, token frequencies, metadata and, last, the index; returns the sample files' bytes."""
+    _save_dataset(data_dir, rows)
+    _save_token_freq(data_dir, rows)
+    write_json_atomic({**meta, "samples": len(rows)}, data_dir / META_FILE)
+    return int(_write_index(index_path, data_dir, rows)["bytes"].sum())
 
 
 def extract_partition(
@@ -313,7 +263,7 @@ def extract_partition(
     index_path = layout.hidden_states_index_path(partition_key)
 
     with exclusive_lock(layout.lock_path("hidden_states", partition_key), f"hidden_states partition {partition_key}"):
-        ok, failed = _read_ok_responses(layout, partition_key)
+        ok, failed = read_ok_responses(layout, partition_key)
         if ok.height == 0:
             raise ValueError(
                 f"synthetic_responses partition {partition_key} has no ok responses ({failed} failed): "
@@ -321,22 +271,9 @@ def extract_partition(
             )
         # The index marks a complete partition; drop it while the partition is being rewritten.
         index_path.unlink(missing_ok=True)
-        rows, served = _render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
+        rows, served = render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
         _cleanup(data_dir, len(rows))
-
-        pending: list[_Row] = []
-        reasons: Counter[str] = Counter()
-        existing_bytes = 0
-        for r in rows:
-            path = hs_file(data_dir, r.row)
-            if path.exists():
-                why = validate_sample_file(path, r.input_ids, n_states, shape.hidden_size, config.dtype)
-                if why is None:
-                    existing_bytes += path.stat().st_size
-                    continue
-                reasons[why.split(" (")[0]] += 1
-                path.unlink()
-            pending.append(r)
+        pending, reasons = _pending_rows(rows, data_dir, n_states, shape.hidden_size, config.dtype)
         notes = [f"redone {n} stored sample file(s): {why}" for why, n in reasons.items()]
         if served < len(rows):
             notes.append(
@@ -350,54 +287,14 @@ def extract_partition(
             f"hidden_states {partition_key}: {len(rows)} samples, {len(rows) - len(pending)} already stored, "
             f"{len(pending)} to compute ({pending_tokens:,} tokens, ~{needed / 2**20:,.1f} MiB)"
         )
+        extract_seconds = _compute(config, verifier_path, layer_ids, pending, data_dir, say) if pending else 0.0
+        meta = {
+            "layer_ids": layer_ids, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
+            "vocab_size": shape.vocab_size, "dtype": config.dtype, "max_seq_len": config.max_seq_len,
+            "verifier_path": str(verifier_path),
+        }  # fmt: skip
+        total_bytes = _finish(data_dir, index_path, rows, meta)
 
-        new_bytes = 0
-        extract_started = time.perf_counter()
-        if pending:
-            (data_dir / HS_SUBDIR).mkdir(parents=True, exist_ok=True)
-            vllm_options = dataclasses.replace(config.vllm, max_model_len=config.max_seq_len + 1)
-            if not vllm_options.urls and not vllm_options.storage_path:
-                # the embedded server's connector files live in the partition folder, so the sweep below removes
-                # what a killed run left in flight
-                vllm_options = dataclasses.replace(vllm_options, storage_path=str(data_dir / TRANSFER_DIR))
-            backend = make_backend(
-                config.backend,
-                verifier_path,
-                layer_ids,
-                config.dtype,
-                config.device,
-                config.batch_tokens,
-                vllm_options=vllm_options,
-                log=say,
-            )
-            extract_started = time.perf_counter()  # tokens/s: forward + capture + writes, not the model load
-            try:
-                with torch_threads(config.num_threads):
-                    new_bytes = _run_backend(backend, pending, data_dir, say)
-            finally:
-                backend.close()
-                shutil.rmtree(data_dir / TRANSFER_DIR, ignore_errors=True)
-        extract_seconds = time.perf_counter() - extract_started
-
-        _save_dataset(data_dir, rows)
-        _save_token_freq(data_dir, rows)
-        write_json_atomic(
-            {
-                "layer_ids": layer_ids,
-                "hidden_size": shape.hidden_size,
-                "num_layers": shape.num_layers,
-                "vocab_size": shape.vocab_size,
-                "dtype": config.dtype,
-                "max_seq_len": config.max_seq_len,
-                "verifier_path": str(verifier_path),
-                "samples": len(rows),
-            },
-            data_dir / META_FILE,
-        )
-        index = _write_index(index_path, data_dir, rows)
-        total_bytes = int(index["bytes"].sum())
-
-    tokens = sum(len(r.input_ids) for r in rows)
     return HiddenStatesResult(
         partition_key=partition_key,
         samples=len(rows),
@@ -406,10 +303,10 @@ def extract_partition(
         failed_responses_excluded=failed,
         truncated=sum(r.truncated for r in rows),
         zero_loss_samples=sum(1 for r in rows if not any(r.loss_mask)),
-        tokens=tokens,
+        tokens=sum(len(r.input_ids) for r in rows),
         loss_tokens=sum(sum(r.loss_mask) for r in rows),
         tokens_computed=pending_tokens,
-        bytes=total_bytes if total_bytes else existing_bytes + new_bytes,
+        bytes=total_bytes,
         seconds=time.perf_counter() - started,
         extract_seconds=extract_seconds,
         tokens_per_s=pending_tokens / extract_seconds if pending and extract_seconds > 0 else 0.0,
@@ -423,7 +320,7 @@ def extract_partition(
     )
 
 
-def _run_backend(backend: Any, pending: list[_Row], data_dir: Path, say: Callable[[str], None]) -> int:
+def _run_backend(backend: Any, pending: list[Row], data_dir: Path, say: Callable[[str], None]) -> int:
     """Forward passes on this thread, file writes on a few writer threads so disk I/O overlaps compute.
 
     Each file is fsynced (atomic_path); an fsync mostly waits on the disk with the GIL released, so a few
@@ -439,7 +336,7 @@ def _run_backend(backend: Any, pending: list[_Row], data_dir: Path, say: Callabl
             states = backend.extract([s.input_ids for s in samples])
             for sample, hs in zip(samples, states, strict=True):
                 futures.append(
-                    writer.submit(_write_sample, hs_file(data_dir, sample.row), hs, sample.input_ids, sample.sample_id)
+                    writer.submit(write_sample, hs_file(data_dir, sample.row), hs, sample.input_ids, sample.sample_id)
                 )
             # bound memory held by queued writes, and surface a write error early
             while len(futures) > 256:
@@ -452,7 +349,7 @@ def _run_backend(backend: Any, pending: list[_Row], data_dir: Path, say: Callabl
     return written
 
 
-def _write_index(index_path: Path, data_dir: Path, rows: list[_Row]) -> pl.DataFrame:
+def _write_index(index_path: Path, data_dir: Path, rows: list[Row]) -> pl.DataFrame:
     import polars as pl
 
     frame = pl.DataFrame(
@@ -475,75 +372,3 @@ def _write_index(index_path: Path, data_dir: Path, rows: list[_Row]) -> pl.DataF
     )
     write_parquet_atomic(frame, index_path)
     return frame
-
-
-# ------------------------------------------------------------------------------------------------ checks
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    passed: bool
-    description: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def read_meta(layout: DataLayout, partition_key: str) -> dict[str, Any]:
-    """The partition's layer ids, widths and dtype as extracted (``eagle3_meta.json``)."""
-    return read_json(layout.hidden_states_dir(partition_key) / META_FILE)
-
-
-def _load_index(layout: DataLayout, partition_key: str) -> pl.DataFrame:
-    import polars as pl
-
-    return pl.read_parquet(layout.hidden_states_index_path(partition_key))
-
-
-def check_token_ids(layout: DataLayout, partition_key: str) -> CheckOutcome:
-    """Every stored sample's ``token_ids`` equal its dataset row's ``input_ids`` (what speculators' loader needs)."""
-    from datasets import load_from_disk
-    from safetensors import safe_open
-
-    data_dir = layout.hidden_states_dir(partition_key)
-    dataset = load_from_disk(str(data_dir)).with_format(None)
-    bad = []
-    for row, ids in enumerate(dataset["input_ids"]):
-        with safe_open(str(hs_file(data_dir, row)), framework="pt") as handle:
-            if handle.get_tensor("token_ids").tolist() != list(ids):
-                bad.append(row)
-    description = f"{len(bad)} of {len(dataset)} samples have token_ids != input_ids"
-    return CheckOutcome(not bad, description, {"bad_rows": bad[:20]})
-
-
-def check_finite(layout: DataLayout, partition_key: str) -> CheckOutcome:
-    """No NaN/Inf in any stored hidden state (reads every value)."""
-    import torch
-    from safetensors.torch import load_file
-
-    data_dir = layout.hidden_states_dir(partition_key)
-    index = _load_index(layout, partition_key)
-    bad = []
-    for row in index["row"].to_list():
-        hs = load_file(str(hs_file(data_dir, row)))["hidden_states"]
-        if not bool(torch.isfinite(hs).all()):
-            bad.append(row)
-    return CheckOutcome(not bad, f"{len(bad)} of {index.height} samples hold NaN/Inf", {"bad_rows": bad[:20]})
-
-
-def check_one_per_ok_response(layout: DataLayout, partition_key: str) -> CheckOutcome:
-    """Exactly one stored sample per ``ok`` response, each sample file present."""
-    ok, _failed = _read_ok_responses(layout, partition_key)
-    index = _load_index(layout, partition_key)
-    expected = set(ok["sample_id"].to_list())
-    stored = index["sample_id"].to_list()
-    missing = sorted(expected - set(stored))
-    extra = sorted(set(stored) - expected)
-    dupes = len(stored) - len(set(stored))
-    data_dir = layout.hidden_states_dir(partition_key)
-    absent = [r for r in index["row"].to_list() if not hs_file(data_dir, r).exists()]
-    passed = not (missing or extra or dupes or absent)
-    return CheckOutcome(
-        passed,
-        f"{len(stored)} stored for {len(expected)} ok responses: {len(missing)} missing, {len(extra)} extra, "
-        f"{dupes} duplicated, {len(absent)} files absent",
-        {"missing": missing[:20], "extra": extra[:20], "absent_rows": absent[:20]},
-    )

@@ -2,7 +2,8 @@
 
 Tolerance: both backends compute in float32 here (the hf backend on a CPU, the embedded vLLM with ``--dtype
 float32``) and the comparison stores float32, so the only differences are the kernels' summation orders:
-measured max |vllm - hf| / max |hf| per sample ~1e-6; the test allows 1e-4 of each sample's scale.
+measured max |vllm - hf| / max |hf| over 200 samples 4e-7 (benchmarks/hidden_states_backends.py); the test
+allows 1e-4 of each sample's scale.
 """
 
 from __future__ import annotations
