@@ -16,13 +16,12 @@ KEYS = ["00000", "00001", "00002"]
 
 
 def test_a_two_process_draft_serves_in_vllm(tmp_path: Path) -> None:
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
-
     from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _local_server, _measure
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
     from eagle3_assets.training import TrainConfig, build_vocab_mapping
     from eagle3_assets.training.launch import TrainSpec, run_training_processes
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     try:
         python = check_vllm_python()
