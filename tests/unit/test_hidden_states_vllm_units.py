@@ -1,0 +1,134 @@
+"""The vllm hidden-states backend's pieces that need no server: the connector-file check, path mapping, the stale
+file sweep, the extraction server's arguments, and the new settings' errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets import settings
+from eagle3_assets.hidden_states.vllm_backend import (
+    ExtractionError,
+    local_file,
+    read_connector_file,
+    sweep_stale_files,
+)
+
+
+def _connector_file(path: Path, ids: list[int], shape: tuple[int, ...], nan: bool = False) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    states = torch.randn(*shape)
+    if nan:
+        states[0, 0, 0] = float("nan")
+    save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(path))
+    path.with_name(path.name + ".lock").write_bytes(b"")
+    return path
+
+
+def test_a_good_connector_file_is_returned_and_deleted_with_its_lock(tmp_path: Path) -> None:
+    path = _connector_file(tmp_path / "req.safetensors", [5, 6, 7], (3, 4, 8))
+    states = read_connector_file(path, [5, 6, 7], 4, 8)
+    assert tuple(states.shape) == (3, 4, 8)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "shape", "nan", "why"),
+    [
+        ([5, 6, 8], (3, 4, 8), False, "token_ids differ"),
+        ([5, 6, 7], (3, 3, 8), False, r"shape \(3, 3, 8\) != \(3, 4, 8\)"),
+        ([5, 6, 7], (3, 4, 8), True, "NaN or Inf"),
+    ],
+)
+def test_a_bad_connector_file_fails_naming_why_and_is_deleted(
+    tmp_path: Path, ids: list[int], shape: tuple[int, ...], nan: bool, why: str
+) -> None:
+    path = _connector_file(tmp_path / "req.safetensors", ids, shape, nan)
+    with pytest.raises(ExtractionError, match=why):
+        read_connector_file(path, [5, 6, 7], 4, 8)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_missing_here_points_at_the_storage_setting(tmp_path: Path) -> None:
+    with pytest.raises(ExtractionError, match="EAGLE3_HIDDEN_STATES_STORAGE"):
+        read_connector_file(tmp_path / "elsewhere.safetensors", [1], 4, 8)
+
+
+def test_server_paths_map_onto_the_local_mount() -> None:
+    assert local_file("/mnt/server/x.safetensors", None) == Path("/mnt/server/x.safetensors")
+    assert local_file("/mnt/server/x.safetensors", "/data/hs") == Path("/data/hs/x.safetensors")
+
+
+def test_only_stale_connector_files_are_swept(tmp_path: Path) -> None:
+    old, new = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    for path in (old, new, tmp_path / "a.safetensors.lock", tmp_path / "other.txt"):
+        path.write_bytes(b"x")
+    long_ago = time.time() - 3600
+    os.utime(old, (long_ago, long_ago))
+    os.utime(tmp_path / "a.safetensors.lock", (long_ago, long_ago))
+    assert sweep_stale_files(tmp_path, 600) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "other.txt"]
+
+
+def test_extraction_server_arguments(tmp_path: Path) -> None:
+    from eagle3_assets.local.extraction import PLUGIN_DIR, extraction_server_config
+    from support.hidden_states_data import cached_tiny_verifier
+
+    config = extraction_server_config(cached_tiny_verifier(), [1, 2, 3], tmp_path, port=8123, die_with_parent=True)
+    command = config.command(Path("python"))
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    # the aux layers, then the verifier's layer count (4): the last layer's output before the final norm
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "CPUHiddenStatesConnector"
+    assert transfer["kv_connector_module_path"] == "eagle3_hs_connector"
+    assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path.resolve())
+    assert config.environment()["PYTHONPATH"].split(os.pathsep)[0] == str(PLUGIN_DIR)
+    assert (PLUGIN_DIR / "eagle3_hs_connector.py").is_file()
+    assert command[3] == str(os.getpid()) and "prctl" in command[2]  # dies with this process
+    assert config.max_model_len == 2048  # capped at the tiny verifier's max_position_embeddings
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("EAGLE3_HIDDEN_STATES_BACKEND", "trt", "must be hf or vllm"),
+        ("EAGLE3_DEVICE", "gpu0", "must be auto, cpu, cuda or cuda:N"),
+        ("EAGLE3_HIDDEN_STATES_URL", "hs-0:8000", "is not an http"),
+        ("EAGLE3_TRAIN_PROCS", "0", "must be a positive integer"),
+    ],
+)
+def test_new_settings_name_the_key_and_value(key: str, value: str, why: str) -> None:
+    with pytest.raises(settings.ConfigError, match=f"{key}={value!r}: .*{why}"):
+        settings.read_env(key, {key: value})
+
+
+def test_new_settings_defaults() -> None:
+    env: dict[str, str] = {}
+    assert settings.read_env("EAGLE3_HIDDEN_STATES_BACKEND", env) == "hf"
+    assert settings.read_env("EAGLE3_HIDDEN_STATES_URL", env) == []
+    assert settings.read_env("EAGLE3_DEVICE", env) == "auto"
+    assert settings.read_env("EAGLE3_TRAIN_PROCS", env) == 1
+
+
+def test_hf_backend_device_options() -> None:
+    import torch
+
+    from eagle3_assets.hidden_states.hf_backend import load_options
+
+    assert load_options("cpu") == ({"dtype": torch.float32}, False)
+    with pytest.raises(settings.ConfigError, match="EAGLE3_DEVICE='tpu'"):
+        load_options("tpu")
+    if not torch.cuda.is_available():
+        assert load_options("auto") == ({"dtype": torch.float32}, False)
+        with pytest.raises(settings.ConfigError, match="EAGLE3_DEVICE='cuda:1': no CUDA device"):
+            load_options("cuda:1")
+    else:
+        options, on_gpu = load_options("auto")
+        assert on_gpu and options == {"dtype": torch.bfloat16, "device_map": "auto"}
