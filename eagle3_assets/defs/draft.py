@@ -6,8 +6,10 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from eagle3_assets import settings
 from eagle3_assets.defs.hidden_states import hidden_states
-from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
     from eagle3_assets.training import TrainConfig, TrainResult
@@ -34,9 +36,9 @@ def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], st
     return [k for k in keys if k != val], val
 
 
-class VocabMappingConfig(dg.Config):
-    draft_vocab_size: int = 32000  # capped at the verifier's vocabulary
-    val_partition: str = ""  # held out of the frequencies too; empty: the last partition
+class VocabMappingRunConfig(SettingsConfig):
+    draft_vocab_size: int = setting(32000, description="Draft vocabulary size (capped at the verifier's).", gt=0)
+    val_partition: str = setting("", description="Held-out partition (not counted); empty: the last partition.")
 
 
 @dg.asset(
@@ -49,7 +51,7 @@ class VocabMappingConfig(dg.Config):
     ),
 )
 def vocab_mapping(
-    config: VocabMappingConfig, data_store: DataStoreResource, verifier: VerifierResource
+    config: VocabMappingRunConfig, data_store: DataStoreResource, verifier: VerifierResource
 ) -> dg.MaterializeResult:
     from eagle3_assets.training import build_vocab_mapping
 
@@ -72,6 +74,46 @@ def vocab_mapping(
             "notes": dg.MetadataValue.json(result.notes),
             "path": dg.MetadataValue.path(str(result.d2t_path.parent)),
         }
+    )
+
+
+class DraftModelRunConfig(SettingsConfig):
+    """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
+
+    epochs: int = setting(10, description="Training epochs.", gt=0)
+    lr: float = setting(1e-3, description="AdamW learning rate.", gt=0.0)
+    tokens_per_batch: int = setting(4096, description="Packed tokens per step.", gt=0)
+    ttt_steps: int = setting(3, description="Training-time-test steps (draft positions trained).", gt=0)
+    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
+    max_steps_per_epoch: int | None = setting(None, description="Cap on steps per epoch; empty: none.", gt=0)
+    max_val_batches: int | None = setting(
+        None, description="Validation batches per evaluation; empty: the whole held-out partition.", gt=0
+    )
+    init: str = setting(
+        "token_copy",
+        description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
+        check=settings.one_of("token_copy", "speculators"),
+    )
+    num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+
+
+def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
+    """The core's TrainConfig from the asset's run config and the verifier resource."""
+    from eagle3_assets.training import TrainConfig
+
+    return TrainConfig(
+        epochs=config.epochs,
+        lr=config.lr,
+        tokens_per_batch=config.tokens_per_batch,
+        ttt_steps=config.ttt_steps,
+        num_layers=config.num_layers,
+        device=verifier.device,
+        max_steps_per_epoch=config.max_steps_per_epoch,
+        max_val_batches=config.max_val_batches,
+        init=config.init,
+        num_threads=config.num_threads,
+        procs=verifier.train_procs,
     )
 
 
@@ -105,8 +147,7 @@ def _train_under_pipes(
             invocation = dg.PipesSubprocessClient().run(command=command, context=context, env=worker_env())
         except dg.DagsterPipesExecutionError as error:
             ckpt_dir = layout.draft_model_dir / CHECKPOINT_DIR
-            code = _exit_code(str(error))
-            raise dg.Failure(failure_message(code, ckpt_dir, train_config.procs)) from error
+            raise dg.Failure(failure_message(_exit_code(str(error)), ckpt_dir, train_config.procs)) from error
         for message in invocation.get_custom_messages():
             context.log.debug(f"epoch metrics: {message}")
         return TrainResult.from_json(json.loads(Path(spec.result_path).read_text(encoding="utf-8")))
@@ -118,19 +159,6 @@ def _exit_code(text: str) -> int:
 
     match = re.search(r"code (-?\d+)", text)
     return int(match.group(1)) if match else 1
-
-
-class DraftTrainingConfig(dg.Config):
-    epochs: int = 10
-    lr: float = 1e-3
-    tokens_per_batch: int = 4096
-    ttt_steps: int = 3
-    num_layers: int = 1
-    val_partition: str = ""  # empty: the last hidden_states partition
-    max_steps_per_epoch: int = 0  # 0: no cap
-    max_val_batches: int = 0  # validation batches per evaluation; 0: the whole held-out partition
-    init: str = "token_copy"  # "token_copy" (the draft starts by carrying the new token forward) or "speculators"
-    num_threads: int = 0  # torch threads on CPU; 0: all cores but one
 
 
 @dg.asset(
@@ -146,36 +174,22 @@ class DraftTrainingConfig(dg.Config):
 )
 def draft_model(
     context: dg.AssetExecutionContext,
-    config: DraftTrainingConfig,
+    config: DraftModelRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
-    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training import train_draft
 
     train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
-    train_config = TrainConfig(
-        epochs=config.epochs,
-        lr=config.lr,
-        tokens_per_batch=config.tokens_per_batch,
-        ttt_steps=config.ttt_steps,
-        num_layers=config.num_layers,
-        device=verifier.device,
-        max_steps_per_epoch=config.max_steps_per_epoch or None,
-        max_val_batches=config.max_val_batches or None,
-        init=config.init,
-        num_threads=config.num_threads or None,
-        procs=verifier.train_procs,
-    )
-    if train_config.procs == 1:
-        from eagle3_assets.training import train_draft
-
-        # one process: in this one (no second interpreter paying the ~20 s speculators import)
+    core_config = train_config(config, verifier)
+    if core_config.procs == 1:
+        # one process: this one (no second interpreter paying the ~20 s speculators import)
         result = train_draft(
-            data_store.layout, train_keys, val_key, verifier.resolved_path(), train_config, log=context.log.info
+            data_store.layout, train_keys, val_key, verifier.resolved_path(), core_config, log=context.log.info
         )
     else:
-        result = _train_under_pipes(context, data_store, train_keys, val_key, verifier.resolved_path(), train_config)
+        result = _train_under_pipes(context, data_store, train_keys, val_key, verifier.resolved_path(), core_config)
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = "\n".join(
         f"| {i + 1} | {train:.4f} | {val:.4f} | {acc:.3f} |"

@@ -98,23 +98,30 @@ def test_extraction_server_arguments(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "why"),
     [
-        ("EAGLE3_HIDDEN_STATES_BACKEND", "trt", "must be hf or vllm"),
+        ("EAGLE3_HIDDEN_STATES_BACKEND", "trt", "must be 'hf' or 'vllm'"),
         ("EAGLE3_DEVICE", "gpu0", "must be auto, cpu, cuda or cuda:N"),
         ("EAGLE3_HIDDEN_STATES_URL", "hs-0:8000", "is not an http"),
         ("EAGLE3_TRAIN_PROCS", "0", "must be a positive integer"),
     ],
 )
 def test_new_settings_name_the_key_and_value(key: str, value: str, why: str) -> None:
+    from eagle3_assets.defs.resources import env_value
+
     with pytest.raises(settings.ConfigError, match=f"{key}={value!r}: .*{why}"):
-        settings.read_env(key, {key: value})
+        env_value(key, {key: value})
 
 
 def test_new_settings_defaults() -> None:
+    from eagle3_assets.defs.resources import VerifierResource, env_value
+
     env: dict[str, str] = {}
-    assert settings.read_env("EAGLE3_HIDDEN_STATES_BACKEND", env) == "hf"
-    assert settings.read_env("EAGLE3_HIDDEN_STATES_URL", env) == []
-    assert settings.read_env("EAGLE3_DEVICE", env) == "auto"
-    assert settings.read_env("EAGLE3_TRAIN_PROCS", env) == 1
+    assert env_value("EAGLE3_HIDDEN_STATES_BACKEND", env) == "hf"
+    assert env_value("EAGLE3_HIDDEN_STATES_URL", env) == ""
+    assert env_value("EAGLE3_DEVICE", env) == "auto"
+    assert env_value("EAGLE3_TRAIN_PROCS", env) == 1
+    urls = "http://hs-0:8000/v1,http://hs-1:8000/v1"
+    verifier = VerifierResource.from_env({"EAGLE3_HIDDEN_STATES_URL": urls, "EAGLE3_TRAIN_PROCS": "2"})
+    assert verifier.hidden_states_urls() == urls.split(",") and verifier.train_procs == 2
 
 
 def test_hf_backend_device_options() -> None:
