@@ -145,20 +145,24 @@ def _train_under_pipes(
         context.log.info(f"draft_model: {train_config.procs} training processes: {' '.join(command)}")
         try:
             invocation = dg.PipesSubprocessClient().run(command=command, context=context, env=worker_env())
-        except dg.DagsterPipesExecutionError as error:
+        except Exception as error:
+            # Pipes' DagsterPipesExecutionError is not public API: recognise torchrun's exit by its message
+            code = _exit_code(str(error))
+            if code is None:
+                raise
             ckpt_dir = layout.draft_model_dir / CHECKPOINT_DIR
-            raise dg.Failure(failure_message(_exit_code(str(error)), ckpt_dir, train_config.procs)) from error
+            raise dg.Failure(failure_message(code, ckpt_dir, train_config.procs)) from error
         for message in invocation.get_custom_messages():
             context.log.debug(f"epoch metrics: {message}")
         return TrainResult.from_json(json.loads(Path(spec.result_path).read_text(encoding="utf-8")))
 
 
-def _exit_code(text: str) -> int:
-    """torchrun's exit code from Pipes' error text ("... failed with code N"), 1 when it does not say."""
+def _exit_code(text: str) -> int | None:
+    """torchrun's exit code from Pipes' error text ("External execution process failed with code N"), else None."""
     import re
 
-    match = re.search(r"code (-?\d+)", text)
-    return int(match.group(1)) if match else 1
+    match = re.search(r"process failed with code (-?\d+)", text)
+    return int(match.group(1)) if match else None
 
 
 @dg.asset(

@@ -175,3 +175,79 @@ def test_draft_model_asset_trains_in_two_processes_under_pipes(data: tuple[DataL
         logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
         assert any("draft_model epoch 2/2" in message for message in logs)  # streamed from rank 0 through Pipes
     assert (layout.draft_model_dir / "final" / "config.json").exists()
+
+
+def test_a_killed_rank_fails_the_dagster_run_naming_the_resume_point(
+    data: tuple[DataLayout, Path], tmp_path: Path
+) -> None:
+    """SIGKILL one rank of a 2-process draft_model run: the run fails with a message that says a rank died and where
+    the next run resumes, and no training process is left."""
+    import threading
+
+    import dagster as dg
+
+    from eagle3_assets.defs.draft import draft_model
+    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+
+    layout, verifier = data
+    layout = _copy(layout, tmp_path / "data")
+    resources = {
+        "data_store": DataStoreResource(data_dir=str(layout.root)),
+        "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", train_procs=2),
+    }
+    config = {"epochs": 6, "tokens_per_batch": 1536, "max_val_batches": 4, "num_threads": 1}
+    outcome: dict = {}
+
+    def materialize() -> None:
+        with dg.instance_for_test() as instance:
+            result = dg.materialize(
+                [draft_model], resources=resources, run_config={"ops": {"draft_model": {"config": config}}},
+                instance=instance, raise_on_error=False,
+            )  # fmt: skip
+            failure = result.failure_data_for_node("draft_model")
+            outcome["success"] = result.success
+            outcome["message"] = failure.error.to_string() if failure and failure.error else ""
+
+    runner = threading.Thread(target=materialize)
+    runner.start()
+    ckpt = layout.draft_model_dir / "checkpoints" / "epoch_0000.pt"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and runner.is_alive() and not ckpt.exists():
+        time.sleep(0.05)
+    workers = _ranks()
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    runner.join(timeout=300)
+    assert not runner.is_alive()
+    assert outcome["success"] is False
+    assert "draft_model training with 2 processes failed" in outcome["message"], outcome["message"]
+    assert "the next run resumes after epoch_" in outcome["message"], outcome["message"]
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)] and not _ranks(), "a training rank outlived the failed run"
+
+
+def _ranks() -> list[int]:
+    """Live torchrun workers of this project on the machine, started by this test process's children."""
+    mine = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        worker = b"eagle3_assets.training.launch" in cmdline and b"torch.distributed.run" not in cmdline
+        if worker and _alive(int(entry.name)) and _descends_from(int(entry.name), os.getpid()):
+            mine.append(int(entry.name))
+    return sorted(mine)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError):
+            return False
+    return False
