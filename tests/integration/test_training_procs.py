@@ -5,8 +5,8 @@ checkpoint.
 Tolerance: one process packs batches of ``tokens_per_batch`` tokens; two pack ``tokens_per_batch // 2`` each from
 the same samples (speculators' sampler splits each global batch over the ranks), so the samples are grouped a
 little differently, the per-rank mean losses are averaged with equal weights, and the float sums run in another
-order. Measured on the tiny verifier: per-epoch train and validation losses within ~2% of each other; the test
-allows 10% relative per epoch.
+order. Measured on the tiny verifier (this test's data and config): per-epoch train losses within 2.9%, validation
+losses within 4.0% of each other, the untrained validation loss identical; the test allows 10% relative per epoch.
 """
 
 from __future__ import annotations
