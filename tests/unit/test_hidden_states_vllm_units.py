@@ -139,3 +139,107 @@ def test_hf_backend_device_options() -> None:
     else:
         options, on_gpu = load_options("auto")
         assert on_gpu and options == {"dtype": torch.bfloat16, "device_map": "auto"}
+
+
+class _FakeExtractionServer:
+    """A stand-in for a vLLM extraction server: answers Completions with max_tokens=1 by writing a connector file
+    (deterministic states from the token ids) and naming it in ``kv_transfer_params``; or fails with a status."""
+
+    def __init__(self, storage: Path, hidden: int, n_states: int, fail_status: int | None = None) -> None:
+        self.storage, self.hidden, self.n_states, self.fail_status = storage, hidden, n_states, fail_status
+        self.requests = 0
+
+    async def completions(self, request):  # type: ignore[no-untyped-def]
+        import torch
+        from aiohttp import web
+        from safetensors.torch import save_file
+
+        self.requests += 1
+        number = self.requests  # before any await: requests run concurrently
+        body = await request.json()
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": "down", "type": "x", "code": 0}}, status=self.fail_status)
+        ids = list(body["prompt"])
+        states = torch.tensor(ids, dtype=torch.float32)[:, None, None].expand(len(ids), self.n_states, self.hidden)
+        path = self.storage / f"req-{number}-{id(self)}.safetensors"
+        save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
+        choice = {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
+        return web.json_response(
+            {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice],
+             "kv_transfer_params": {"hidden_states_path": str(path)}}
+        )  # fmt: skip
+
+
+def _serve(handler: _FakeExtractionServer) -> tuple[str, object]:
+    """Run the fake server on 127.0.0.1 in a thread; returns (base URL, stop function)."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from eagle3_assets.local.vllm_server import find_free_port
+
+    port = find_free_port()
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler.completions)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}/v1", stop
+
+
+def test_requests_spread_over_servers_and_a_failing_one_is_benched_and_retried_elsewhere(tmp_path: Path) -> None:
+    """Two servers, one answering 500: every sample comes back from the healthy one, right and in order; the failing
+    one is benched after a few failures, and every connector file is deleted after reading."""
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackend, VLLMBackendOptions
+    from support.hidden_states_data import cached_tiny_verifier
+
+    verifier = cached_tiny_verifier()  # hidden size 64
+    good = _FakeExtractionServer(tmp_path, 64, 4)
+    bad = _FakeExtractionServer(tmp_path, 64, 4, fail_status=500)
+    (good_url, stop_good), (bad_url, stop_bad) = _serve(good), _serve(bad)
+    notes: list[str] = []
+    try:
+        options = VLLMBackendOptions(urls=(bad_url, good_url), model="m", concurrency=8, bench_s=60.0, max_attempts=4)
+        backend = VLLMBackend(verifier, [1, 2, 3], "float32", options=options, log=notes.append)
+        try:
+            batch = [[i, i + 1, i + 2] for i in range(1, 41)]
+            states = backend.extract(batch)
+        finally:
+            backend.close()
+    finally:
+        stop_good()
+        stop_bad()
+    assert [int(s[0, 0, 0]) for s in states] == [ids[0] for ids in batch]  # each sample its own answer, in order
+    assert all(tuple(s.shape) == (3, 4, 64) for s in states)
+    assert good.requests == 40 and 1 <= bad.requests <= 8  # benched after its failures, not asked 40 times
+    assert any("benched" in note for note in notes)
+    assert list(tmp_path.iterdir()) == []  # connector files read and deleted
+
+
+def test_a_sample_that_fails_everywhere_raises_after_its_attempts(tmp_path: Path) -> None:
+    from eagle3_assets.hidden_states.vllm_backend import ExtractionError, VLLMBackend, VLLMBackendOptions
+    from support.hidden_states_data import cached_tiny_verifier
+
+    bad = _FakeExtractionServer(tmp_path, 64, 4, fail_status=503)
+    url, stop = _serve(bad)
+    try:
+        options = VLLMBackendOptions(urls=(url,), model="m", bench_s=0.05, max_attempts=3)
+        backend = VLLMBackend(cached_tiny_verifier(), [1, 2, 3], "float32", options=options)
+        try:
+            with pytest.raises(ExtractionError, match="failed 3 times"):
+                backend.extract([[1, 2, 3]])
+        finally:
+            backend.close()
+    finally:
+        stop()
+    assert bad.requests == 3
