@@ -138,7 +138,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     "partition": v.partition_key,
                     "path": str(v.path),
                     "reason": v.reason,
-                    "rows": v.metadata.get("dg.row_count"),
+                    "rows": v.metadata.get("rows"),
                 }
                 for v in verdicts
             ]
@@ -164,7 +164,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 f"partition keys: {', '.join(report.registered_partitions)}"
             )
         for v in report.recorded:
-            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('dg.row_count')} rows)")
+            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('rows')} rows)")
         for v in report.skipped_failed:
             print(f"skipped: {v.asset} {v.partition_key}: Dagster records a failed run; --include-failed records it")
         for v in report.invalid:

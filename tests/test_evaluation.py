@@ -277,6 +277,9 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
     metadata = event.materialization.metadata
     assert "offline_trained_mean_acceptance_length" in metadata
     assert "offline_untrained_mean_acceptance_length" in metadata
-    assert "| trained | offline |" in metadata["table"].value
+    rows = [r.data for r in metadata["table"].records]
+    assert {(r["draft"], r["method"]) for r in rows} == {("trained", "offline"), ("untrained", "offline")}
+    assert all(1.0 <= r["mean_acceptance_length"] <= 1 + r_k for r in rows for r_k in [metadata["k"].value])
+    assert metadata["dagster/row_count"].value == 2 and "| trained | offline |" in metadata["report_markdown"].value
     assert "data:image/png;base64" in metadata["acceptance_per_position"].value
     assert (layout.evaluation_dir / "report.json").exists() and (layout.evaluation_dir / "report.md").exists()

@@ -9,6 +9,7 @@ from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
     from eagle3_assets.evaluation.evaluate import EvaluationOptions
+    from eagle3_assets.evaluation.report import EvaluationReport
     from eagle3_assets.storage import DataLayout
 
 
@@ -59,6 +60,37 @@ def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -
     )
 
 
+def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
+    """One sortable row per (draft, method): acceptance length, acceptance per position, speed."""
+    from eagle3_assets.defs.metadata import table
+
+    positions = [f"acc_at_{j + 1}" for j in range(report.k)]
+    columns = [
+        ("draft", "string", "trained or untrained"),
+        ("method", "string", "online (vLLM speculative decoding) or offline (simulated from hidden states)"),
+        ("drafts", "int", "Proposals of k tokens measured."),
+        ("mean_acceptance_length", "float", "1 + accepted tokens per draft, in [1, k+1]."),
+        *[(n, "float", f"Drafts whose first {j + 1} tokens were accepted, share.") for j, n in enumerate(positions)],
+        ("tokens_per_second", "float", "Online: output tokens/s with this draft."),
+        ("speedup", "float", "Online: tokens/s over the plain verifier's."),
+    ]
+    records = []
+    for s in report.stats:
+        record = {
+            "draft": s.label,
+            "method": s.method,
+            "drafts": s.drafts,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            **{name: round(rate, 4) for name, rate in zip(positions, s.acceptance_rate_per_position, strict=False)},
+            "tokens_per_second": round(s.tokens_per_second, 2) if s.tokens_per_second is not None else None,
+            "speedup": None,
+        }
+        if s.method == "online" and (speedup := report.speedup(s.label)) is not None:
+            record["speedup"] = round(speedup, 3)
+        records.append(record)
+    return table(records, columns)
+
+
 # No pool: by default the asset starts (and stops) its own local vLLM servers, one at a time, and never sends
 # requests to the shared generation server that pool "vllm" protects.
 @dg.asset(
@@ -87,7 +119,9 @@ def draft_evaluation(
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
     metadata: dict = {
-        "table": dg.MetadataValue.md(report.markdown()),
+        "table": evaluation_table(report),
+        "dagster/row_count": dg.MetadataValue.int(len(report.stats)),
+        "report_markdown": dg.MetadataValue.md(report.markdown()),
         "k": report.k,
         "held_out_partition": report.held_out_partition or "",
         "report": dg.MetadataValue.path(str(layout.evaluation_dir / "report.json")),
