@@ -62,11 +62,20 @@ def _print_table(rows: list[tuple[str, str, float]]) -> None:
     print(f"{'total'.ljust(width)}  {'':>10}  {sum(s for _, _, s in rows):8.1f}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3 demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("EAGLE3_DEMO_PORT", "8000")))
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("EAGLE3_DEMO_PORT", "8000")),
+        help="port of the local vLLM server on 127.0.0.1 (default: $EAGLE3_DEMO_PORT or 8000)",
+    )
     parser.add_argument("--keep-server", action="store_true", help="leave the vLLM server running")
-    args = parser.parse_args(list(argv or []))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv or []))
 
     import dagster as dg
 
