@@ -47,16 +47,9 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
         "num_threads": 2,
     },
     # Two vLLM start-ups (trained and untrained draft) dominate; keep the generation short. The plain verifier
-    # is the demo's own server (plain_url, set at run time).
+    # is the demo's own server (EAGLE3_EVAL_PLAIN_URL, set once it runs).
     "draft_evaluation": {"prompts": 16, "max_tokens": 96, "offline_max_samples": 64},
 }
-
-
-def demo_asset_config(name: str, base_url: str, served_model_name: str) -> dict[str, object] | None:
-    config = DEMO_ASSET_CONFIG.get(name)
-    if name == "draft_evaluation" and config is not None:
-        config = {**config, "plain_url": base_url, "served_model_name": served_model_name}
-    return config
 
 
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
@@ -188,14 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with output_to(log_path) as say:
             timings, server = _setup(verifier, data_dir, args.port, say)
+            # draft_evaluation measures the plain verifier on the demo's own server
+            os.environ.setdefault("EAGLE3_EVAL_PLAIN_URL", server.base_url)
+            os.environ.setdefault("EAGLE3_EVAL_MODEL", server.model_name)
             from eagle3_assets.definitions import build_definitions
 
             try:
                 defs = build_definitions()
                 with dg.DagsterInstance.get() as instance:
-                    timings += run_stages(
-                        defs, instance, say, lambda name: _run_config(name, server.base_url, server.model_name)
-                    )
+                    timings += run_stages(defs, instance, say, _run_config)
             finally:
                 if not args.keep_server:
                     server.stop()
@@ -206,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_config(name: str, base_url: str, served_model_name: str) -> dict[str, Any] | None:
-    asset_config = demo_asset_config(name, base_url, served_model_name)
+def _run_config(name: str) -> dict[str, Any] | None:
+    asset_config = DEMO_ASSET_CONFIG.get(name)
     return {"ops": {name: {"config": asset_config}}} if asset_config is not None else None
 
 

@@ -4,7 +4,12 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.defs.resources import (
+    DataStoreResource,
+    EvaluationServersResource,
+    SettingsConfig,
+    VerifierResource,
+)
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
@@ -30,14 +35,12 @@ class DraftEvaluationRunConfig(SettingsConfig):
         256, description="Stored samples simulated offline; empty: the whole held-out partition.", gt=0
     )
     untrained_baseline: bool = setting(True, description="Also measure an untrained draft of the same shape.")
-    # servers already running elsewhere (empty: start local CPU vLLM servers)
-    plain_url: str = setting("", description="Running server of the plain verifier; empty: start a local one.")
-    draft_url: str = setting("", description="Running server with the trained draft; empty: start a local one.")
-    served_model_name: str = setting("", description="Model id on those servers; empty: the verifier folder's name.")
 
 
-def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -> "EvaluationOptions":
-    """The core's EvaluationOptions from the asset's run config."""
+def evaluation_options(
+    config: DraftEvaluationRunConfig, servers: EvaluationServersResource, layout: "DataLayout"
+) -> "EvaluationOptions":
+    """The core's EvaluationOptions from the asset's run config and the evaluation servers resource."""
     from eagle3_assets.evaluation.evaluate import EvaluationOptions
     from eagle3_assets.evaluation.online import OnlineConfig
 
@@ -52,9 +55,10 @@ def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -
             prompts=config.prompts,
             max_tokens=config.max_tokens,
             concurrency=config.concurrency,
-            plain_url=config.plain_url or None,
-            draft_url=config.draft_url or None,
-            served_model_name=config.served_model_name or None,
+            plain_url=servers.plain_url.strip().rstrip("/") or None,
+            draft_url=servers.draft_url.strip().rstrip("/") or None,
+            served_model_name=servers.served_model_name or None,
+            api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),
     )
@@ -99,7 +103,8 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
     kinds={"vllm", "pytorch"},
     description=(
         "Acceptance of the trained EAGLE-3 draft where it runs: vLLM speculative decoding (method eagle3, k "
-        "speculative tokens) on held-out prompts at temperature 0, read from vLLM's spec-decode counters, with "
+        "speculative tokens) on held-out prompts at temperature 0, counted from the per-request speculative metrics "
+        "of its own requests, with "
         "tokens/s with and without the draft and a greedy-identity check; the same figures simulated offline from "
         "the held-out partition's stored hidden states; and both for an untrained draft of the same shape."
     ),
@@ -109,13 +114,14 @@ def draft_evaluation(
     config: DraftEvaluationRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
+    evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
     from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
-    options = evaluation_options(config, layout)
+    options = evaluation_options(config, evaluation_servers, layout)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
     metadata: dict = {
