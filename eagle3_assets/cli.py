@@ -199,13 +199,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
-    from eagle3_assets.defs.resources import settings_markdown, settings_resources
+    from eagle3_assets.defs.resources import settings_classes, settings_markdown
 
     if args.markdown:
         print(settings_markdown())
         return 0
     bad = 0
-    for cls in settings_resources().values():
+    for cls in settings_classes():
         values, errors = settings.from_environ(cls)
         for field in settings.declared(cls):
             if field.secret:

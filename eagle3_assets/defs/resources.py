@@ -198,6 +198,13 @@ def settings_resources() -> dict[str, type[SettingsResource]]:
     }
 
 
+def settings_classes() -> list[type]:
+    """Every class that declares ``EAGLE3_*`` settings: the resources, then the code location's own."""
+    from eagle3_assets.defs.automation import CodeLocationSettings
+
+    return [*settings_resources().values(), CodeLocationSettings]
+
+
 def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """Resources with the environment's valid values; never raises for a bad value (the run reports it)."""
     return {key: cls.from_env(environ) for key, cls in settings_resources().items()}
@@ -205,9 +212,9 @@ def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, obj
 
 def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:
     """The effective, validated value of one ``EAGLE3_*`` setting (raises ``ConfigError`` naming a bad one)."""
-    return settings.env_value(settings_resources().values(), key, environ)
+    return settings.env_value(settings_classes(), key, environ)
 
 
 def settings_markdown() -> str:
     """The README's configuration table (``eagle3 config --markdown``)."""
-    return settings.markdown_table(settings_resources().values())
+    return settings.markdown_table(settings_classes())
