@@ -17,7 +17,13 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+
+from eagle3_assets import cli
+from eagle3_assets.local.vllm_server import find_free_port
+from eagle3_assets.operations import backfill
+from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT
+from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_daemon,
     initialize_storage,
@@ -27,12 +33,6 @@ from support.operations import (
     write_prompts,
     write_workspace,
 )
-
-from eagle3_assets import cli
-from support.fake_vllm import FakeConfig, FakeServerProcess
-from eagle3_assets.local.vllm_server import find_free_port
-from eagle3_assets.operations import backfill
-from eagle3_assets.storage import DataLayout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

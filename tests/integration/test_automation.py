@@ -7,6 +7,10 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+
+from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition, code_location_settings
+from eagle3_assets.storage import DataLayout
+from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_daemon,
     initialize_storage,
@@ -16,10 +20,6 @@ from support.operations import (
     write_prompts,
     write_workspace,
 )
-
-from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition, code_location_settings
-from support.fake_vllm import FakeConfig, FakeServerProcess
-from eagle3_assets.storage import DataLayout
 
 
 def _conditions(defs: dg.Definitions) -> dict[str, bool]:

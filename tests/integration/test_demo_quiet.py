@@ -7,13 +7,13 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from support.operations import write_prompts
 
 from eagle3_assets import demo
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.resources import default_resources
 from support.fake_vllm import FakeConfig, serve_in_thread
+from support.operations import write_prompts
 
 
 def test_stages_print_one_line_per_partition_and_log_everything_else(
