@@ -39,7 +39,7 @@ $(VENV)/.browser-installed: tests/browser/install.sh $(VENV)/.installed
 	bash tests/browser/install.sh $(PY)
 	touch $@
 
-## install-postgres: Debian's PostgreSQL server binaries for tests/test_postgres.py (it starts its own server)
+## install-postgres: Debian's PostgreSQL server binaries for tests/e2e/test_postgres.py (it starts its own server)
 install-postgres: $(VENV)/.postgres-installed
 $(VENV)/.postgres-installed: tests/postgres/install.sh
 	bash tests/postgres/install.sh

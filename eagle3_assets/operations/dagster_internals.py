@@ -3,7 +3,7 @@
 ``eagle3 backfill --missing``, ``eagle3 status`` and ``eagle3 sync`` need what Dagster's public API does not
 offer (Dagster 1.13): the per-partition status cache the UI's partition bar reads, storing an asset backfill
 for the daemon with exactly the chosen partitions, and reading a stored backfill's targets. Nothing else in
-the project imports ``dagster._*``; ``tests/test_dagster_internals.py`` checks every name and signature used
+the project imports ``dagster._*``; ``tests/integration/test_dagster_internals.py`` checks every name and signature used
 here and fails with the name that moved when a Dagster upgrade moves one.
 """
 

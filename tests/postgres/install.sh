@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Test setup for tests/test_postgres.py: Debian's PostgreSQL server binaries (initdb, pg_ctl, postgres), which
+# Test setup for tests/e2e/test_postgres.py: Debian's PostgreSQL server binaries (initdb, pg_ctl, postgres), which
 # the test runs itself on a free port in a temporary folder. dagster-postgres comes with `make install` (the
 # `postgres` extra). Idempotent; needs root (or passwordless sudo) for apt-get.
 set -euo pipefail
