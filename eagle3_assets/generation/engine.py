@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3_assets.generation.capacity import CapacityMonitor
 from eagle3_assets.generation.client import Completion, RequestFailed, build_body, classify
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
@@ -109,6 +110,8 @@ class Engine:
         self._in_flight = 0
         self._waiting = 0
         self._wake = asyncio.Event()
+        # Sets each endpoint's cap from the server's own load (shared with other partitions and clients).
+        self.capacity = CapacityMonitor(config, self.pool.endpoints, self._wake.set, log)
         self._fatal: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -120,9 +123,11 @@ class Engine:
         self._ready = deque(_Item(p, normalize_messages(p.messages)) for p in prompts)
         progress = asyncio.get_running_loop().create_task(self._progress_loop())
         try:
+            await self.capacity.start()
             await self._dispatch()
             self.stats.ended = time.monotonic()
         finally:
+            await self.capacity.close()
             progress.cancel()
             for timer in self._timers:
                 timer.cancel()
@@ -137,11 +142,12 @@ class Engine:
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
-        limit = self.config.concurrency
         while self._ready or self._in_flight or self._waiting:
             if self._fatal is not None:
                 raise self._fatal
             self._wake.clear()
+            # Re-read each round: the capacity monitor moves the caps as the servers' load changes.
+            limit = self.capacity.run_limit()
             while self._ready and self._in_flight < limit:
                 endpoint = self.pool.acquire()
                 if endpoint is None:
