@@ -13,9 +13,10 @@ The rule, per server, at each poll (``own`` = this engine's requests in flight t
   the wire, so counting ourselves from ``own`` rather than from the gauges never double-books those.
 - ``free = target - max(others, others at the previous poll) - own``: room another client left is claimed
   once it has lasted one poll interval (a request another engine just got back is a gap of milliseconds
-  before that engine refills it; claiming it would overfill the server). Room (``free >= 0``): the cap becomes ``own + free``, or ``own + free/2``
-  when the room is *contested*: on our first poll, or when ``others`` grew since the previous one (someone
-  else is claiming too). Halving makes two engines that see the same room fill it together instead of twice.
+  before that engine refills it; claiming it would overfill the server). Room (``free >= 0``): the cap
+  becomes ``own + free``, or ``own + free/2`` when the room is *contested*: on our first poll, or when
+  ``others`` grew since the previous one (someone else is claiming too). Halving makes two engines that
+  see the same room fill it together instead of twice.
 - Overfull (``free < 0``): the cap becomes ``own * target / (own + others)``, every adaptive client shedding in
   proportion to its share, so together they land on the target in one step whatever their number.
 
@@ -25,6 +26,9 @@ clients wait for the next poll. An engine that holds slots keeps them (it refill
 the room), so a partition started while another is running takes over as that one drains: partitions land in
 the order they started, and the server stays full across the boundary.
 
+Among this pipeline's own partitions, :class:`PartitionLine` adds key order: only the lowest partition key
+with samples left takes new room, so partitions waiting for the same draining one do not split it evenly.
+
 A server without ``/metrics`` (404, or no vLLM gauges in it) gets today's fixed cap for the whole run.
 """
 
@@ -32,8 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation.config import GenerationConfig, display_url
@@ -122,6 +129,53 @@ class ServerAdmission:
         return cap
 
 
+class PartitionLine:
+    """Key order among this pipeline's partition runs: only the lowest partition key that still has samples to
+    send takes new room; the others keep what they hold and wait. One file per waiting or sending partition in
+    ``directory`` (under the data dir, which every run worker shares), touched at every poll; a file not touched
+    for ``stale_s`` belongs to a dead run and is ignored.
+
+    Why: without it, two partitions waiting for the same draining one split its slots evenly, progress side by
+    side and drain together, so their tails add up instead of overlapping with the next partition's start; with
+    it the server sees one continuous in-order pool, and partitions land in key order.
+    """
+
+    def __init__(self, directory: Path, key: str, stale_s: float = 10.0) -> None:
+        self.directory = directory
+        self.key = key
+        self.stale_s = stale_s
+        self.path = directory / f"{key}.waiting"
+        self._registered = False
+
+    def first(self, has_samples: bool) -> bool:
+        """Register (or leave) the line; True when no lower key with samples left is in it."""
+        try:
+            if has_samples:
+                if not self._registered:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                self.path.touch()
+                self._registered = True
+            else:
+                self.leave()
+                return True
+            now = time.time()
+            for entry in os.scandir(self.directory):
+                other = entry.name.removesuffix(".waiting")
+                if other < self.key and entry.name.endswith(".waiting"):
+                    with contextlib.suppress(FileNotFoundError):
+                        if now - entry.stat().st_mtime < self.stale_s:
+                            return False
+        except OSError:  # an unwritable or vanished folder: no ordering, the gauges still bound the load
+            return True
+        return True
+
+    def leave(self) -> None:
+        if self._registered:
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+            self._registered = False
+
+
 class CapacityMonitor:
     """Polls ``/metrics`` of every endpoint and sets each endpoint's cap (``Endpoint.cap``) for the pool.
 
@@ -134,8 +188,13 @@ class CapacityMonitor:
         endpoints: Sequence[Endpoint],
         on_change: Callable[[], None],
         log: Callable[[str], None],
+        *,
+        line: PartitionLine | None = None,
+        has_samples: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
+        self.line = line
+        self.has_samples = has_samples
         self.endpoints = list(endpoints)
         self.on_change = on_change
         self.log = log
@@ -171,6 +230,8 @@ class CapacityMonitor:
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.close()
+        if self.line is not None:
+            self.line.leave()
 
     async def _loop(self) -> None:
         while True:
@@ -182,11 +243,12 @@ class CapacityMonitor:
         if not pending:
             return
         pages = await asyncio.gather(*[self._fetch(e.url) for e in pending])
+        first = self.line is None or self.line.first(self.has_samples())
         for endpoint, page in zip(pending, pages, strict=True):
-            self._apply(endpoint, page)
+            self._apply(endpoint, page, first)
         self.on_change()
 
-    def _apply(self, endpoint: Endpoint, page: tuple[int, str] | None) -> None:
+    def _apply(self, endpoint: Endpoint, page: tuple[int, str] | None, first: bool = True) -> None:
         server = self.servers[endpoint.url]
         if page is None:  # no answer this time: keep the last cap (a down server is benched by the pool)
             return
@@ -207,7 +269,9 @@ class CapacityMonitor:
                 "requests (running + waiting) shared with every other client"
             )
         server.managed = True
-        endpoint.cap = server.update(endpoint.outstanding, load)
+        cap = server.update(endpoint.outstanding, load)
+        # Behind a lower partition key: keep what we hold (it is ours, refilled locally), take no new room.
+        endpoint.cap = cap if first else min(cap, endpoint.outstanding)
 
     async def _fetch(self, url: str) -> tuple[int, str] | None:
         try:

@@ -3,16 +3,18 @@ against the fake server with a vLLM-like capacity (``max_num_seqs``) and ``/metr
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from eagle3_assets.fake_vllm import FakeConfig, FakeServerProcess
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-from eagle3_assets.generation.capacity import ServerAdmission, ServerLoad, metrics_url, parse_load
+from eagle3_assets.generation.capacity import PartitionLine, ServerAdmission, ServerLoad, metrics_url, parse_load
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
+from support.fake_vllm import FakeConfig, FakeServerProcess
 
 # The scheduler part of a vLLM 0.32 page: two engines (data parallel), a breakdown gauge that must not be
 # added to the total, and histogram noise around it.
@@ -35,7 +37,7 @@ def test_parse_load_sums_engines_and_ignores_breakdowns() -> None:
     assert parse_load(VLLM_PAGE) == ServerLoad(running=64, waiting=3)
     assert parse_load("vllm:num_requests_running 5\nvllm:num_requests_waiting 1\n") == ServerLoad(5, 1)
     assert parse_load("# nothing from vLLM here\nprocess_open_fds 12.0\n") is None
-    assert parse_load("vllm:num_requests_running{a=\"b\"} not-a-number\n") is None
+    assert parse_load('vllm:num_requests_running{a="b"} not-a-number\n') is None
     assert metrics_url("http://h:8000/v1") == metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
     assert metrics_url("https://proxy/serve") == "https://proxy/serve/metrics"
 
@@ -93,12 +95,30 @@ def test_server_targets_are_validated() -> None:
         GenerationConfig(base_urls=urls, server_targets=(0,))
 
 
+def test_partition_line_lets_the_lowest_key_with_samples_go_first(tmp_path: Path) -> None:
+    first, second = PartitionLine(tmp_path, "00003"), PartitionLine(tmp_path, "00004")
+    assert second.first(has_samples=True)  # alone in the line
+    assert first.first(has_samples=True) and not second.first(has_samples=True)
+    assert first.first(has_samples=False)  # 00003 has sent everything (draining): it leaves the line
+    assert second.first(has_samples=True) and not (tmp_path / "00003.waiting").exists()
+    dead = PartitionLine(tmp_path, "00001", stale_s=10)
+    dead.first(has_samples=True)
+    os.utime(dead.path, (time.time() - 60, time.time() - 60))  # a run that died in the line
+    assert second.first(has_samples=True)
+    second.leave()
+    assert not second.path.exists()
+
+
 def prompts(n: int, tag: str) -> list[PromptToGenerate]:
     return [PromptToGenerate(f"{tag}-{i:05d}", [{"role": "user", "content": f"{tag} question {i}"}]) for i in range(n)]
 
 
-def run_partitions(tmp_path: Path, base_url: str, keys: list[str], n: int, concurrency: int) -> list:
-    """``generate_partition`` for every key at once, one thread (own event loop) each, like parallel runs."""
+def run_partitions(
+    tmp_path: Path, base_url: str, keys: list[str], n: int, concurrency: int, one_pipeline: bool = True
+) -> list:
+    """``generate_partition`` for every key at once, one thread (own event loop) each, like parallel runs;
+    ``one_pipeline=False``: each in its own data dir, like two pipelines (or any other clients) sharing a
+    server."""
     config = GenerationConfig(
         base_urls=(base_url,),
         model="fake-model",
@@ -113,7 +133,7 @@ def run_partitions(tmp_path: Path, base_url: str, keys: list[str], n: int, concu
 
     def one(key: str) -> None:
         start.wait()
-        layout = DataLayout.at(tmp_path / "data")
+        layout = DataLayout.at(tmp_path / ("data" if one_pipeline else f"data-{key}"))
         results[key] = generate_partition(prompts(n, key), key, layout, config, log=lambda _m: None)
 
     threads = [threading.Thread(target=one, args=(k,)) for k in keys]
@@ -125,7 +145,8 @@ def run_partitions(tmp_path: Path, base_url: str, keys: list[str], n: int, concu
 
 
 @pytest.mark.timeout(300)
-def test_two_partitions_never_overfill_one_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_pipeline", [True, False], ids=["one-pipeline", "two-pipelines"])
+def test_two_partitions_never_overfill_one_server(tmp_path: Path, one_pipeline: bool) -> None:
     """Two partition runs started at the same instant against a server of capacity C, each configured for C:
     the server never holds more than C + a small slack, and every sample is generated.
 
@@ -135,13 +156,15 @@ def test_two_partitions_never_overfill_one_server(tmp_path: Path) -> None:
     capacity = 16
     fake = FakeConfig(max_num_seqs=capacity, token_rate=200, median_tokens=100, sigma=0.8)
     with FakeServerProcess(fake) as server:
-        first, second = run_partitions(tmp_path, server.base_url, ["00000", "00001"], 100, capacity)
+        first, second = run_partitions(tmp_path, server.base_url, ["00000", "00001"], 100, capacity, one_pipeline)
         stats = server.stats()
     assert first.ok == second.ok == 100  # type: ignore[attr-defined]
     slack = 3
     assert stats["max_in_flight"] <= capacity + slack, stats
     assert stats["max_waiting"] <= slack, stats
     assert stats["max_running"] == capacity  # and it was full
+    if one_pipeline:  # key order: 00001 only takes over as 00000 drains, so 00000 lands first
+        assert first.path.stat().st_mtime < second.path.stat().st_mtime  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(120)
