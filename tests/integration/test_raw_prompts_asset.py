@@ -124,15 +124,3 @@ def test_definitions_load_fast_without_heavy_imports() -> None:
     seconds, heavy = out.stdout.strip().split(" ", 1)
     assert heavy == "[]", out.stdout
     assert float(seconds) < 5.0 and time.perf_counter() - started < 10.0
-
-
-def test_bad_environment_value_fails_definition_load_naming_key() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", "import eagle3_assets.definitions"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env={"EAGLE3_CONCURRENCY": "lots", "PATH": "/usr/bin:/bin"},
-    )
-    assert out.returncode != 0
-    assert "EAGLE3_CONCURRENCY='lots': must be a positive integer" in out.stderr

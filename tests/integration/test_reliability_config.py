@@ -43,8 +43,10 @@ from support.reliability import closed_port_url, make_prompts, quick_config
     ],
 )
 def test_bad_environment_values_name_the_key(key: str, value: str, why: str) -> None:
+    from eagle3_assets.defs.resources import env_value
+
     with pytest.raises(settings.ConfigError) as raised:
-        settings.read_env(key, {key: value})
+        env_value(key, {key: value})
     assert str(raised.value).startswith(f"{key}={value!r}: ") and why in str(raised.value)
 
 
@@ -52,11 +54,14 @@ def test_negative_partition_size_fails_raw_prompts_before_writing(
     tmp_path: Path, layout: DataLayout, instance: dg.DagsterInstance
 ) -> None:
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(3)])
-    result = dg.materialize(
+    with pytest.raises(settings.ConfigError, match="EAGLE3_PARTITION_SIZE=-5: must be a positive integer"):
+        make_resources(layout, dataset, partition_size=-5)
+    result = dg.materialize(  # the same value from the launchpad fails the run with the same message
         [raw_prompts],
         instance=instance,
         raise_on_error=False,
-        resources=make_resources(layout, dataset, partition_size=-5),
+        resources=make_resources(layout, dataset),
+        run_config={"resources": {"prompt_dataset": {"config": {"partition_size": -5}}}},
     )
     assert not result.success
     assert "EAGLE3_PARTITION_SIZE=-5: must be a positive integer" in _failure_text(result)
@@ -79,7 +84,7 @@ BAD_INFERENCE_SETTINGS = [
     ({"base_url": "localhost:8000"}, "EAGLE3_VLLM_BASE_URL='localhost:8000': 'localhost:8000' is not an http(s)"),
     ({"max_tokens": 0}, "EAGLE3_MAX_TOKENS=0: must be a positive integer"),
     ({"transport": "carrier-pigeon"}, "EAGLE3_TRANSPORT='carrier-pigeon'"),
-    ({"extra_body_json": "{not json"}, "extra_body_json='{not json': invalid JSON"),
+    ({"extra_body_json": "{not json"}, "EAGLE3_EXTRA_BODY='{not json': invalid JSON"),
 ]
 
 
@@ -95,19 +100,17 @@ def test_bad_inference_settings_fail_the_run_before_any_request(
         )
         assert dg.materialize([raw_prompts], instance=instance, resources=good).success
         for overrides, expected in BAD_INFERENCE_SETTINGS:
-            bad = make_resources(
-                layout,
-                dataset,
-                partition_size=10,
-                inference_server=RemoteVLLMResource(**{"base_url": base_url, **overrides}),
-            )
-            result = dg.materialize(
+            with pytest.raises(settings.ConfigError) as raised:
+                RemoteVLLMResource(**{"base_url": base_url, **overrides})
+            assert expected in str(raised.value), overrides
+            result = dg.materialize(  # the launchpad path: the run fails before any request
                 [raw_prompts, synthetic_responses],
                 selection=[synthetic_responses],
                 partition_key="00000",
                 instance=instance,
-                resources=bad,
+                resources=good,
                 raise_on_error=False,
+                run_config={"resources": {"inference_server": {"config": overrides}}},
             )
             assert not result.success, overrides
             assert expected in _failure_text(result), overrides
