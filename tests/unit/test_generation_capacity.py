@@ -175,3 +175,16 @@ def test_a_server_without_metrics_gets_the_fixed_concurrency(tmp_path: Path) -> 
         stats = server.stats()
     assert result.ok == 120  # type: ignore[attr-defined]
     assert stats["max_in_flight"] == 12, stats
+
+
+def test_the_server_target_setting_reaches_the_engine_config() -> None:
+    from eagle3_assets import settings
+    from eagle3_assets.defs.inference import RemoteVLLMResource
+
+    resource = RemoteVLLMResource(base_url="http://a:1/v1,http://b:1/v1", server_target="64, 32")
+    assert resource.generation_config().server_targets == (64, 32)
+    assert RemoteVLLMResource(concurrency=48).generation_config().server_target("http://127.0.0.1:8000/v1") == 48
+    with pytest.raises(ConfigError, match="EAGLE3_SERVER_TARGET"):
+        settings.check_server_targets("EAGLE3_SERVER_TARGET", "12,x")
+    with pytest.raises(ConfigError, match="EAGLE3_SERVER_TARGET"):
+        settings.check_server_targets("EAGLE3_SERVER_TARGET", "0")
