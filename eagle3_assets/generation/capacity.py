@@ -223,6 +223,12 @@ class CapacityMonitor:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
+        for url, server in self.servers.items():
+            if server.managed:
+                self.log(
+                    f"capacity: {display_url(url)}: target {server.target}, peak load seen {server.peak_load} "
+                    f"(running + waiting, every client), peak waiting {server.peak_waiting}, {server.polls} polls"
+                )
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
