@@ -46,6 +46,10 @@ from typing import Any
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint
 
+# An engine behind a lower key in the line takes room nobody took for this many polls (1 s at 0.25 s): the
+# first in line would have, so that key is satisfied (its own target reached) or stuck, and the room would idle.
+LINE_PATIENCE_POLLS = 4
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 
@@ -107,11 +111,13 @@ class ServerAdmission:
     others: int | None = None  # the load not ours at the previous poll; None before the first
     managed: bool | None = None  # True: /metrics drives the cap; False: fixed cap; None: not known yet
     polls: int = 0
+    room_polls: int = 0  # consecutive polls that found room
     peak_waiting: int = 0
     peak_load: int = 0
 
-    def update(self, own: int, load: ServerLoad) -> int:
-        """The new cap on this engine's requests in flight at the server, from its load now."""
+    def update(self, own: int, load: ServerLoad, first: bool = True) -> int:
+        """The new cap on this engine's requests in flight at the server, from its load now. ``first``: no
+        lower partition key of this pipeline is waiting for room (see :class:`PartitionLine`)."""
         self.polls += 1
         self.peak_waiting = max(self.peak_waiting, load.waiting)
         self.peak_load = max(self.peak_load, load.total)
@@ -120,7 +126,10 @@ class ServerAdmission:
         # back is a gap of a few milliseconds before that engine refills it, not room for us.
         settled = others if self.others is None else max(others, self.others)
         free = self.target - settled - own
-        if free >= 0:
+        self.room_polls = self.room_polls + 1 if free > 0 else 0
+        if free >= 0 and not first and self.room_polls < LINE_PATIENCE_POLLS:
+            cap = own  # behind a lower key: keep what we hold, leave the room to it
+        elif free >= 0:
             contested = self.others is None or others > self.others
             cap = own + ((free + 1) // 2 if contested else free)
         else:
@@ -131,7 +140,8 @@ class ServerAdmission:
 
 class PartitionLine:
     """Key order among this pipeline's partition runs: only the lowest partition key that still has samples to
-    send takes new room; the others keep what they hold and wait. One file per waiting or sending partition in
+    send takes new room; the others keep what they hold and wait (room nobody took for a second is theirs
+    too: the first in line may have reached its own target). One file per waiting or sending partition in
     ``directory`` (under the data dir, which every run worker shares), touched at every poll; a file not touched
     for ``stale_s`` belongs to a dead run and is ignored.
 
@@ -275,9 +285,7 @@ class CapacityMonitor:
                 "requests (running + waiting) shared with every other client"
             )
         server.managed = True
-        cap = server.update(endpoint.outstanding, load)
-        # Behind a lower partition key: keep what we hold (it is ours, refilled locally), take no new room.
-        endpoint.cap = cap if first else min(cap, endpoint.outstanding)
+        endpoint.cap = server.update(endpoint.outstanding, load, first)
 
     async def _fetch(self, url: str) -> tuple[int, str] | None:
         try:

@@ -75,6 +75,17 @@ def test_a_newcomer_waits_then_takes_over_as_the_incumbent_drains() -> None:
     assert fresh.update(0, ServerLoad(124, 0)) == 0
 
 
+def test_behind_a_lower_key_only_room_nobody_takes_is_taken() -> None:
+    behind = ServerAdmission(128)
+    assert behind.update(0, ServerLoad(128, 0), first=False) == 0
+    # the first in line takes freed slots at its next poll: the one behind never sees lasting room
+    assert [behind.update(0, ServerLoad(load, 0), first=False) for load in (120, 128, 110, 128)] == [0] * 4
+    # the first in line stopped at its own target of 100 (or is stuck): after a second the room is taken
+    caps = [behind.update(0, ServerLoad(100, 0), first=False) for _ in range(5)]
+    assert caps == [0, 0, 0, 0, 28]  # the first poll only settles the drop, then 4 polls of lasting room
+    assert behind.update(28, ServerLoad(128, 0), first=True) == 28
+
+
 def test_an_overfull_server_is_shed_in_proportion() -> None:
     a, b = ServerAdmission(100), ServerAdmission(100)
     a.update(0, ServerLoad(0, 0)), b.update(0, ServerLoad(0, 0))
