@@ -49,6 +49,7 @@ from eagle3_assets.generation.endpoints import Endpoint
 # An engine behind a lower key in the line takes room nobody took for this many polls (1 s at 0.25 s): the
 # first in line would have, so that key is satisfied (its own target reached) or stuck, and the room would idle.
 LINE_PATIENCE_POLLS = 4
+FIRST_REPOLL_S = 0.05
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -250,9 +251,12 @@ class CapacityMonitor:
             self.line.leave()
 
     async def _loop(self) -> None:
+        # The second poll soon after the first: the first took only half of an empty server (it may have been
+        # contested), and an engine alone should have the rest within milliseconds, not a poll interval.
+        await asyncio.sleep(min(FIRST_REPOLL_S, self.config.capacity_poll_s))
         while True:
-            await asyncio.sleep(self.config.capacity_poll_s)
             await self.poll_once()
+            await asyncio.sleep(self.config.capacity_poll_s)
 
     async def poll_once(self) -> None:
         pending = [e for e in self.endpoints if self.servers[e.url].managed is not False]
