@@ -9,7 +9,6 @@ run starts, by generation and by ``draft_evaluation`` alike.
 
 from __future__ import annotations
 
-import os
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle3_assets import settings
-from eagle3_assets.defs.resources import SettingsResource
+from eagle3_assets.defs.resources import API_KEY_SETTING, SettingsResource, api_key_from
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
@@ -28,12 +27,25 @@ class InferenceServerResource(SettingsResource):
     """Common generation settings; subclasses say which server(s) answer."""
 
     model: str = setting("", env="EAGLE3_MODEL", description="Served model name; empty: ask `/v1/models`.")
-    api_key_env: str = setting(
-        "EAGLE3_API_KEY",
-        secret=True,
-        description="API key for the server(s) (generation and evaluation); never logged or stored.",
+    api_key_env: str = API_KEY_SETTING
+    concurrency: int = setting(
+        128,
+        env="EAGLE3_CONCURRENCY",
+        description=(
+            "Requests in flight per partition run; for a server that reports its load (`/metrics`), the default "
+            "`EAGLE3_SERVER_TARGET`."
+        ),
+        gt=0,
     )
-    concurrency: int = setting(128, env="EAGLE3_CONCURRENCY", description="Requests in flight per partition run.", gt=0)
+    server_target: str = setting(
+        "",
+        env="EAGLE3_SERVER_TARGET",
+        description=(
+            "Requests (running + waiting, every client together) to keep each server at, read from its `/metrics`: "
+            "one number, or one per base URL; empty: `EAGLE3_CONCURRENCY`. Set it to the server's `--max-num-seqs`."
+        ),
+        check=settings.check_server_targets,
+    )
     max_tokens: int = setting(8000, env="EAGLE3_MAX_TOKENS", description="max_tokens per completion.", gt=0)
     request_timeout_s: float = setting(
         1800.0, env="EAGLE3_REQUEST_TIMEOUT_S", description="Read timeout per request, seconds.", gt=0
@@ -79,7 +91,7 @@ class InferenceServerResource(SettingsResource):
         """The OpenAI-compatible base URL(s) to send requests to during this run."""
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) or None
+        return api_key_from(self.api_key_env)
 
     def extra_body(self) -> dict[str, Any]:
         return settings.check_json_object("EAGLE3_EXTRA_BODY", self.extra_body_json)
@@ -93,6 +105,7 @@ class InferenceServerResource(SettingsResource):
             model=self.model or None,
             api_key=self.api_key(),
             concurrency=self.concurrency,
+            server_targets=settings.check_server_targets("EAGLE3_SERVER_TARGET", self.server_target),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -9,6 +9,7 @@ resource fails when it starts, with the message naming the variable (``SettingsR
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,51 @@ class VerifierResource(SettingsResource):
         return path
 
 
+# The one declaration of the API key setting: generation (inference_server) and draft_evaluation
+# (evaluation_servers) read the same variable.
+API_KEY_SETTING = setting(
+    "EAGLE3_API_KEY",
+    secret=True,
+    description="API key for the server(s) (generation and evaluation); never logged or stored.",
+)
+
+
+def api_key_from(variable: str) -> str | None:
+    """The secret in the named environment variable, read when a run needs it (never config)."""
+    return os.environ.get(variable) or None
+
+
+class EvaluationServersResource(SettingsResource):
+    """vLLM servers already running for draft_evaluation (e.g. on a GPU cluster); empty: it starts its own.
+
+    A draft server must return per-request speculative metrics (vLLM ``--per-request-spec-decode-metrics
+    summary``): acceptance is counted from the evaluation's own responses, never from server-wide counters.
+    """
+
+    plain_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_PLAIN_URL",
+        description="draft_evaluation: running server of the plain verifier (`http://host:port/v1`); empty: start one.",
+        check=settings.check_optional_base_urls,
+    )
+    draft_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_DRAFT_URL",
+        description=(
+            "draft_evaluation: running server of the verifier with the trained draft, started with "
+            "`--per-request-spec-decode-metrics summary`; empty: start one."
+        ),
+        check=settings.check_optional_base_urls,
+    )
+    served_model_name: str = setting(
+        "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
+    )
+    api_key_env: str = API_KEY_SETTING
+
+    def api_key(self) -> str | None:
+        return api_key_from(self.api_key_env)
+
+
 def settings_resources() -> dict[str, type[SettingsResource]]:
     """Resource key -> class, for every resource built from the environment (the order of the README table)."""
     from eagle3_assets.defs.inference import RemoteVLLMResource
@@ -176,7 +222,15 @@ def settings_resources() -> dict[str, type[SettingsResource]]:
         "prompt_dataset": PromptDatasetResource,
         "inference_server": RemoteVLLMResource,
         "verifier": VerifierResource,
+        "evaluation_servers": EvaluationServersResource,
     }
+
+
+def settings_classes() -> list[type]:
+    """Every class that declares ``EAGLE3_*`` settings: the resources, then the code location's own."""
+    from eagle3_assets.defs.automation import CodeLocationSettings
+
+    return [*settings_resources().values(), CodeLocationSettings]
 
 
 def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -186,9 +240,9 @@ def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, obj
 
 def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:
     """The effective, validated value of one ``EAGLE3_*`` setting (raises ``ConfigError`` naming a bad one)."""
-    return settings.env_value(settings_resources().values(), key, environ)
+    return settings.env_value(settings_classes(), key, environ)
 
 
 def settings_markdown() -> str:
     """The README's configuration table (``eagle3 config --markdown``)."""
-    return settings.markdown_table(settings_resources().values())
+    return settings.markdown_table(settings_classes())

@@ -50,6 +50,7 @@ __all__ = [
     "VLLMServerConfig",
     "VLLMServerError",
     "_only_zombies",
+    "build_parser",
     "check_vllm_python",
     "find_free_port",
     "list_models",
@@ -367,6 +368,13 @@ class LocalVLLMServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def build_parser() -> Any:
+    """``eagle3 serve-local``'s argument parser: see :mod:`eagle3_assets.local.vllm_cli`."""
+    from eagle3_assets.local.vllm_cli import build_parser as cli_parser
+
+    return cli_parser()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
