@@ -28,7 +28,24 @@ class InferenceServerResource(SettingsResource):
 
     model: str = setting("", env="EAGLE3_MODEL", description="Served model name; empty: ask `/v1/models`.")
     api_key_env: str = API_KEY_SETTING
-    concurrency: int = setting(128, env="EAGLE3_CONCURRENCY", description="Requests in flight per partition run.", gt=0)
+    concurrency: int = setting(
+        128,
+        env="EAGLE3_CONCURRENCY",
+        description=(
+            "Requests in flight per partition run; for a server that reports its load (`/metrics`), the default "
+            "`EAGLE3_SERVER_TARGET`."
+        ),
+        gt=0,
+    )
+    server_target: str = setting(
+        "",
+        env="EAGLE3_SERVER_TARGET",
+        description=(
+            "Requests (running + waiting, every client together) to keep each server at, read from its `/metrics`: "
+            "one number, or one per base URL; empty: `EAGLE3_CONCURRENCY`. Set it to the server's `--max-num-seqs`."
+        ),
+        check=settings.check_server_targets,
+    )
     max_tokens: int = setting(8000, env="EAGLE3_MAX_TOKENS", description="max_tokens per completion.", gt=0)
     request_timeout_s: float = setting(
         1800.0, env="EAGLE3_REQUEST_TIMEOUT_S", description="Read timeout per request, seconds.", gt=0
@@ -88,6 +105,7 @@ class InferenceServerResource(SettingsResource):
             model=self.model or None,
             api_key=self.api_key(),
             concurrency=self.concurrency,
+            server_targets=settings.check_server_targets("EAGLE3_SERVER_TARGET", self.server_target),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
