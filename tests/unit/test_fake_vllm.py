@@ -116,6 +116,34 @@ def test_latency_follows_length_and_max_tokens_truncates(make_server) -> None:
     assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 50
 
 
+def test_capacity_queues_beyond_max_num_seqs_and_metrics_show_it(make_server) -> None:
+    import concurrent.futures
+
+    from eagle3_assets.generation.capacity import ServerLoad, parse_load
+
+    client = make_server(token_rate=1000, max_num_seqs=2)
+    assert parse_load(client.get("/metrics").text) == ServerLoad(0, 0)
+    messages = [[{"role": "user", "content": f"[[fake_tokens=300]] q{i}"}] for i in range(5)]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        started = time.monotonic()
+        futures = [pool.submit(chat, client, m) for m in messages]
+        time.sleep(0.1)
+        during = client.get("/metrics")
+        assert all(f.result().status_code == 200 for f in futures)
+        wall = time.monotonic() - started
+    # vLLM's text format: the two gauges, labelled by engine and model_name
+    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"} 2.0' in during.text
+    assert parse_load(during.text) == ServerLoad(running=2, waiting=3)
+    assert wall >= 0.9  # three waves of 0.3 s: the 3 beyond capacity waited
+    stats = client.get("/stats").json()
+    assert (stats["max_running"], stats["max_waiting"]) == (2, 3)
+    assert abs(stats["busy_seq_s"] - 5 * 0.3) < 0.2  # the integral of running sequences over time
+
+
+def test_a_server_without_metrics_answers_404(make_server) -> None:
+    assert make_server(metrics=False).get("/metrics").status_code == 404
+
+
 def test_lengths_are_heavy_tailed_lognormal() -> None:
     config = FakeConfig(median_tokens=300, sigma=0.8)
     lengths = sorted(response_length([{"role": "user", "content": f"p{i}"}], config, 100000)[0] for i in range(4000))
