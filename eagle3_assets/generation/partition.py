@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +17,13 @@ import polars as pl
 from eagle3_assets import storage
 from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
+from eagle3_assets.generation.fingerprint import (
+    FINGERPRINT_COLUMN,
+    FingerprintInputs,
+    fingerprints_for,
+    prompt_set_digest,
+    stale_reason,
+)
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
@@ -49,6 +58,11 @@ class GenerationResult:
     top_errors: dict[str, int] = field(default_factory=dict)  # terminal error texts (200 chars) -> count
     retry_reasons: dict[str, int] = field(default_factory=dict)
     torn_bytes_dropped: int = 0
+    # stored ok rows that answered another request (prompt or settings changed) and were generated again
+    stale: int = 0
+    stale_reasons: dict[str, int] = field(default_factory=dict)
+    settings_digest: str = ""  # FingerprintInputs.settings_digest of this run (the manifest has its inputs)
+    data_version: str = ""  # content hash of the written Parquet (Dagster's data version of the partition)
 
     def metadata(self) -> dict[str, Any]:
         """Plain JSON-able values for Dagster metadata (the wrapper picks what it shows)."""
@@ -72,17 +86,28 @@ def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGe
     return [PromptToGenerate(row["sample_id"], row["messages"]) for row in frame.iter_rows(named=True)]
 
 
-def _previous_ok(path: Path, wanted: set[str], log: Log) -> dict[str, dict[str, Any]]:
-    """ok rows of an existing final Parquet whose sample is still in the partition."""
+def _previous_rows(
+    path: Path, wanted: set[str], current: Callable[[Mapping[str, Any]], bool], log: Log
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(current ok rows, stale ok rows) of an existing final Parquet whose sample is still in the partition.
+
+    A file written before request fingerprints has no such column: its rows are all stale.
+    """
     if not path.exists():
-        return {}
+        return {}, {}
     try:
         frame = pl.read_parquet(path)
     except Exception as error:
         log(f"ignoring unreadable {path.name} ({type(error).__name__}: {error}); its samples are generated again")
-        return {}
+        return {}, {}
+    if FINGERPRINT_COLUMN not in frame.columns:
+        frame = frame.with_columns(pl.lit(None, pl.String).alias(FINGERPRINT_COLUMN))
     frame = frame.filter((pl.col("status") == STATUS_OK) & pl.col("sample_id").is_in(list(wanted)))
-    return {row["sample_id"]: row for row in frame.iter_rows(named=True)}
+    kept: dict[str, dict[str, Any]] = {}
+    stale: dict[str, dict[str, Any]] = {}
+    for row in frame.iter_rows(named=True):
+        (kept if current(row) else stale)[row["sample_id"]] = row
+    return kept, stale
 
 
 def _filtered(records: Mapping[str, dict[str, Any]], wanted: set[str]) -> dict[str, dict[str, Any]]:
@@ -97,6 +122,26 @@ async def _sync_loop(journal: Journal, interval: float) -> None:
         await loop.run_in_executor(None, journal.sync)
 
 
+async def _served_model(config: GenerationConfig, log: Log) -> str:
+    """The model the server answers with when none is configured (part of every request's fingerprint)."""
+    transports = make_transports(config)
+    try:
+        model, _unhealthy = await preflight(transports, config, log)
+    finally:
+        await close_all(transports)
+    return model
+
+
+def _stamped(append: Callable[[dict[str, Any]], None], fingerprints: Mapping[str, str]) -> Callable[..., None]:
+    """``append`` that first stamps each record with its request's fingerprint (the engine does not know it)."""
+
+    def on_finished(record: dict[str, Any]) -> None:
+        record[FINGERPRINT_COLUMN] = fingerprints[record["sample_id"]]
+        append(record)
+
+    return on_finished
+
+
 async def _generate(
     todo: Sequence[PromptToGenerate],
     partition_key: str,
@@ -104,6 +149,7 @@ async def _generate(
     journal: Journal,
     log: Log,
     already_done: int,
+    fingerprints: Mapping[str, str],
 ) -> tuple[EngineStats, str]:
     transports = make_transports(config)
     try:
@@ -112,7 +158,7 @@ async def _generate(
             config,
             model,
             transports,
-            journal.append,
+            _stamped(journal.append, fingerprints),
             partition_key=partition_key,
             log=log,
             progress_prefix=f"synthetic_responses {partition_key} ",
@@ -197,8 +243,17 @@ def generate_partition(
     journal_path = layout.responses_in_progress_path(partition_key)
     lock = layout.lock_path("synthetic_responses", partition_key)
     with storage.exclusive_lock(lock, f"synthetic_responses partition {partition_key}"):
-        previous = _previous_ok(final_path, wanted, log)
-        contents = read_journal(journal_path)
+        # Which request each prompt is sent as decides which stored rows are still answers to it.
+        model = config.model or run_async(_served_model(config, log))
+        config = dataclasses.replace(config, model=model)
+        inputs = FingerprintInputs(model=model, sampling_params=config.sampling_params())
+        fingerprints = fingerprints_for(inputs, prompts)
+
+        def current(record: Mapping[str, Any]) -> bool:
+            return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
+
+        previous, stale_previous = _previous_rows(final_path, wanted, current, log)
+        contents = read_journal(journal_path, current)
         torn = contents.torn_bytes
         if torn:
             log(f"dropped a torn last line ({torn} bytes) from {journal_path.name}, left by an interrupted run")
@@ -206,15 +261,18 @@ def generate_partition(
             log(f"skipped {contents.corrupt_lines} unparseable line(s) in {journal_path.name}")
         known = merge_records(previous, _filtered(contents.records, wanted))
         kept = {sid for sid, record in known.items() if record.get("status") == STATUS_OK}
+        stale_reasons = _stale_reasons(prompts, set(known), fingerprints, stale_previous, contents.stale)
         todo = [p for p in prompts if p.sample_id not in kept]
         failed_before = sum(1 for p in todo if p.sample_id in known)
+        stale = sum(stale_reasons.values())
         log(
             f"synthetic_responses {partition_key}: {len(prompts)} prompts; {len(kept)} already ok on disk "
             f"(kept, not requested again); {failed_before} failed before (retried); "
-            f"{len(todo) - failed_before} to generate"
+            f"{stale} stale (answered another request, generated again"
+            + (f": {', '.join(f'{n} {why}' for why, n in stale_reasons.items())}" if stale else "")
+            + f"); {len(todo) - failed_before - stale} to generate"
         )
         stats = EngineStats()
-        model = config.model
         if todo:
             # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
             # the first journal write.
@@ -223,22 +281,64 @@ def generate_partition(
             )
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             try:
-                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept)))
+                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept), fingerprints))
             finally:
                 journal.close()
                 if journal.appended == 0 and journal_path.stat().st_size == 0:
                     journal_path.unlink()  # a run that failed before any sample leaves no empty file
-            contents = read_journal(journal_path)
+            contents = read_journal(journal_path, current)
             known = merge_records(previous, _filtered(contents.records, wanted))
         missing = [sid for sid in ids if sid not in known]
         if missing:  # the engine finishes every sample it is given; this would be a bug, never a silent gap
             raise RuntimeError(f"partition {partition_key}: {len(missing)} samples have no record, e.g. {missing[:3]}")
         frame = rows_to_frame([known[sid] for sid in ids])
         storage.write_parquet_atomic(frame, final_path)
+        data_version = storage.file_digest(final_path)
+        storage.write_json_atomic(
+            {
+                "partition_key": partition_key,
+                "request": inputs.as_dict(),
+                "settings_digest": inputs.settings_digest,
+                "prompt_set_digest": prompt_set_digest((p.sample_id, p.messages) for p in prompts),
+                "rows": frame.height,
+                "data_version": data_version,
+                "stale_regenerated": dict(stale_reasons),
+            },
+            layout.responses_manifest_path(partition_key),
+        )
         journal_path.unlink(missing_ok=True)
-        return _result(
+        result = _result(
             partition_key, final_path, frame, stats, len(kept), len(todo), model, time.monotonic() - started, torn
         )
+        return dataclasses.replace(
+            result,
+            stale=stale,
+            stale_reasons=dict(stale_reasons),
+            settings_digest=inputs.settings_digest,
+            data_version=data_version,
+        )
+
+
+def _stale_reasons(
+    prompts: Sequence[PromptToGenerate],
+    known: set[str],
+    fingerprints: Mapping[str, str],
+    *stale_sources: Mapping[str, Mapping[str, Any]],
+) -> Counter[str]:
+    """Why each prompt without a current row had an ok row for another request (file or journal)."""
+    reasons: Counter[str] = Counter()
+    for prompt in prompts:
+        sid = prompt.sample_id
+        if sid in known:  # a current row (ok: kept; failed: retried) exists
+            continue
+        for source in reversed(stale_sources):  # the journal is newer than the file
+            record = source.get(sid)
+            if record is not None and record.get("status") == STATUS_OK:
+                why = stale_reason(record, fingerprints[sid], prompt.messages)
+                if why is not None:
+                    reasons[why] += 1
+                    break
+    return reasons
 
 
 def _result(
