@@ -338,3 +338,9 @@ def training_inputs_digest(layout: DataLayout, keys: Iterable[str], verifier_pat
     vocab = files_digest(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None
     verifier = verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states"))
     return digest([parts, vocab, verifier])
+
+
+def training_fingerprint(base: str, layout: DataLayout, keys: Iterable[str], verifier_path: Path) -> str:
+    """A training run's checkpoint fingerprint: ``base`` (the config and the partition keys) plus the content
+    hash of its inputs, so a checkpoint trained on other data or another verifier is never resumed."""
+    return digest([base, training_inputs_digest(layout, keys, verifier_path)], 16)

@@ -9,7 +9,14 @@ from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
-    keys = sorted(data_store.layout.partition_files("hidden_states"))
+    from eagle3_assets.lineage import partitions_passing_checks
+
+    # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
+    keys, excluded = partitions_passing_checks(
+        data_store.layout, sorted(data_store.layout.partition_files("hidden_states"))
+    )
+    for key, why in excluded.items():
+        dg.get_dagster_logger().warning(f"hidden_states partition {key} left out of training: {why}")
     if not keys:
         raise FileNotFoundError(
             f"no hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}: materialize them first"
