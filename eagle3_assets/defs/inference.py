@@ -2,13 +2,13 @@
 
 ``InferenceServerResource`` is the abstract base; ``RemoteVLLMResource`` talks to running vLLM
 deployment(s), ``LocalVLLMResource`` starts the embedded CPU vLLM on the tiny verifier for the run.
-The API key is never a config field (Dagster would show and store config): it is read from the
-environment variable named by ``api_key_env`` when a run starts.
+The API key is never a config field (Dagster would show and store config), and neither is the name of the
+variable it comes from (a launchpad user could otherwise send any environment variable as a bearer token): it is
+read from ``EAGLE3_API_KEY`` when a run starts.
 """
 
 from __future__ import annotations
 
-import os
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,6 @@ class InferenceServerResource(dg.ConfigurableResource):
     """Common generation settings; subclasses say which server(s) answer."""
 
     model: str = ""  # served model name; empty: ask GET /v1/models
-    api_key_env: str = "EAGLE3_API_KEY"
     concurrency: int = 128
     max_tokens: int = 8000
     request_timeout_s: float = 1800.0
@@ -47,7 +46,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         """The OpenAI-compatible base URL(s) to send requests to during this run."""
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) or None
+        return settings.read_env("EAGLE3_API_KEY")
 
     def validate_settings(self) -> None:
         settings.parse_positive_int("EAGLE3_CONCURRENCY", self.concurrency)

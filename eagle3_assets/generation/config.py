@@ -143,7 +143,16 @@ class GenerationConfig:
         return fields
 
     def redact(self, text: str) -> str:
-        """Replace the API key in any text that may reach a log line, an error or a file."""
-        if self.api_key:
-            text = text.replace(self.api_key, "***")
+        """Replace the API key in any text that may reach a log line, an error or a file.
+
+        Texts may arrive already cut to a length (an error message): a key cut at the end leaves a prefix that a
+        plain replace misses, so a trailing prefix of the key (8+ characters) is replaced too.
+        """
+        key = self.api_key
+        if not key:
+            return text
+        text = text.replace(key, "***")
+        for size in range(min(len(key) - 1, len(text)), 7, -1):
+            if text.endswith(key[:size]):
+                return text[:-size] + "***"
         return text
