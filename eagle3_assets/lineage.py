@@ -233,7 +233,7 @@ def hidden_states_staging_dir(layout: DataLayout, partition_key: str) -> Path:
     return layout.asset_dir("hidden_states") / "_staging" / partition_key
 
 
-_STAGING_INPUTS = ".extraction.json"
+_STAGING_INPUTS = "_staging_inputs.json"  # removed before the folder is published
 
 
 def hidden_states_extraction_inputs(
