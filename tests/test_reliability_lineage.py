@@ -59,8 +59,8 @@ def test_a_prompt_edited_under_the_same_id_is_answered_again(layout: DataLayout,
     run(layout, server.base_url)
     edited = make_prompts(edit={3: "a different question under the same id"})
     result = run(layout, server.base_url, edited)
-    assert (result.requested, result.resumed, result.stale) == (1, N - 1, 1)
-    assert result.stale_reasons == {STALE_PROMPT: 1}
+    assert (result.requested, result.resumed) == (1, N - 1)
+    assert (result.stale, result.stale_reasons) == (1, {STALE_PROMPT: 1})
     row = pl.read_parquet(layout.responses_path(KEY)).filter(pl.col("sample_id") == "fp-003").row(0, named=True)
     assert row["messages"][0]["content"] == "a different question under the same id"
 
@@ -68,8 +68,8 @@ def test_a_prompt_edited_under_the_same_id_is_answered_again(layout: DataLayout,
 def test_raised_max_tokens_regenerates_every_row(layout: DataLayout, server: FakeServerProcess) -> None:
     run(layout, server.base_url, max_tokens=2000)
     result = run(layout, server.base_url, max_tokens=4000)
-    assert (result.requested, result.resumed, result.stale) == (N, 0, N)
-    assert result.stale_reasons == {STALE_SETTINGS: N}
+    assert (result.requested, result.resumed) == (N, 0)
+    assert (result.stale, result.stale_reasons) == (N, {STALE_SETTINGS: N})
     params = pl.read_parquet(layout.responses_path(KEY))["sampling_params"].unique().to_list()
     assert [json.loads(p)["max_tokens"] for p in params] == [4000]
     # unchanged settings: nothing is requested again
@@ -87,9 +87,9 @@ def test_a_run_killed_and_resumed_with_other_settings_never_mixes_two_settings(
     journal.write_text("".join(json.dumps(row) + "\n" for row in frame.head(N // 2).to_dicts()))
     layout.responses_path(KEY).unlink()  # the interrupted run never wrote its Parquet
     result = run(layout, server.base_url, temperature=0.9)
-    assert (result.requested, result.resumed, result.stale) == (N, 0, N // 2)
     params = pl.read_parquet(layout.responses_path(KEY))["sampling_params"].unique().to_list()
     assert [json.loads(p).get("temperature") for p in params] == [0.9]
+    assert (result.requested, result.resumed, result.stale) == (N, 0, N // 2)
 
 
 def test_rows_written_before_fingerprints_are_stale(layout: DataLayout, server: FakeServerProcess) -> None:
@@ -97,7 +97,8 @@ def test_rows_written_before_fingerprints_are_stale(layout: DataLayout, server: 
     path = layout.responses_path(KEY)
     pl.read_parquet(path).drop(FINGERPRINT_COLUMN).write_parquet(path)  # a file of the previous layout
     result = run(layout, server.base_url)
-    assert (result.requested, result.stale_reasons) == (N, {STALE_UNFINGERPRINTED: N})
+    assert result.requested == N
+    assert result.stale_reasons == {STALE_UNFINGERPRINTED: N}
     assert pl.read_parquet(path)[FINGERPRINT_COLUMN].null_count() == 0
 
 

@@ -66,7 +66,12 @@ def test_a_failed_re_extraction_keeps_the_old_partition_whole(
     def fail(*_args: object, **_kwargs: object) -> int:
         raise RuntimeError("out of memory in the middle of the partition")
 
-    monkeypatch.setattr(extract_module, "_run_backend", fail)
+    with monkeypatch.context() as patch:
+        patch.setattr(extract_module, "_render_rows", fail)  # dies before computing anything
+        with pytest.raises(RuntimeError, match="out of memory"):
+            extract(layout, verifier, layers=[0, 1, 3])
+    assert index.read_bytes() == before
+    monkeypatch.setattr(extract_module, "_run_backend", fail)  # dies while computing the new layers
     with pytest.raises(RuntimeError, match="out of memory"):
         extract(layout, verifier, layers=[0, 1, 3])
     assert index.read_bytes() == before  # the partition still counts, with its old content
