@@ -32,7 +32,7 @@ $(VENV_VLLM)/.installed: requirements-vllm.txt constraints.txt
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
-## install-browser: Debian chromium (apt-get) + playwright for tests/test_browser.py
+## install-browser: Debian chromium (apt-get) + playwright for tests/e2e/test_browser.py
 install-browser: $(VENV)/.browser-installed
 $(VENV)/.browser-installed: tests/browser/install.sh $(VENV)/.installed
 	bash tests/browser/install.sh $(PY)

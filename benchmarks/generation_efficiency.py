@@ -32,12 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# the project and its test support (tests/support: the fake server)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from eagle3_assets.fake_vllm import FakeConfig, FakeServerProcess, response_length  # noqa: E402
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition  # noqa: E402
 from eagle3_assets.storage import DataLayout  # noqa: E402
+from support.fake_vllm import FakeConfig, FakeServerProcess, response_length  # noqa: E402
 
 
 def make_prompts(n: int, tag: str = "benchmark") -> list[PromptToGenerate]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,9 +13,10 @@ from eagle3_assets import settings
 
 
 def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from eagle3_assets.defs.resources import env_value
     from eagle3_assets.storage import DataLayout
 
-    return DataLayout.at(args.data_dir or settings.read_env("EAGLE3_DATA_DIR"))
+    return DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
 
 
 STATUS_COLUMNS = ("ok", "failed", "truncated", "prompt_tokens", "completion_tokens")
@@ -192,13 +194,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
+    from eagle3_assets.defs.resources import settings_markdown, settings_resources
+
     if args.markdown:
-        print(settings.settings_markdown())
+        print(settings_markdown())
         return 0
-    for key, setting in settings.ENV_SETTINGS.items():
-        value = "***" if setting.secret and settings.read_env(key) else settings.read_env(key)
-        print(f"{key}={value}")
-    return 0
+    bad = 0
+    for cls in settings_resources().values():
+        values, errors = settings.from_environ(cls)
+        for field in settings.declared(cls):
+            if field.secret:
+                print(f"{field.default}={'***' if os.environ.get(str(field.default)) else ''}")
+            elif field.env is not None:
+                error = next((e for e in errors if str(e).startswith(f"{field.env}=")), None)
+                bad += error is not None
+                value = f"ERROR {error}" if error else values.get(field.name, field.default)
+                print(f"{field.env}={'' if value is None else value}")
+    return 1 if bad else 0
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:

@@ -70,13 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import dagster as dg
 
+    from eagle3_assets.defs.resources import env_value
     from eagle3_assets.local.tiny_model import build_tiny_model
     from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     for key, value in DEMO_ENV.items():
         os.environ.setdefault(key, value)
-    data_dir = Path(settings.read_env("EAGLE3_DATA_DIR")).resolve()
-    verifier = Path(settings.read_env("EAGLE3_VERIFIER_PATH") or data_dir / "_models" / "tiny-verifier")
+    data_dir = Path(env_value("EAGLE3_DATA_DIR")).resolve()
+    verifier = Path(env_value("EAGLE3_VERIFIER_PATH") or data_dir / "_models" / "tiny-verifier")
     os.environ["EAGLE3_VERIFIER_PATH"] = str(verifier)
     os.environ.setdefault("EAGLE3_VLLM_BASE_URL", f"http://127.0.0.1:{args.port}/v1")
     if "DAGSTER_HOME" not in os.environ:

@@ -1,11 +1,17 @@
 """``vocab_mapping`` and ``draft_model``: the draft vocabulary and the trained EAGLE-3 draft."""
 
 import json
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from eagle3_assets import settings
 from eagle3_assets.defs.hidden_states import hidden_states
-from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.settings import setting
+
+if TYPE_CHECKING:
+    from eagle3_assets.training import TrainConfig
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
@@ -36,9 +42,9 @@ def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], st
     return [k for k in keys if k != val], val
 
 
-class VocabMappingConfig(dg.Config):
-    draft_vocab_size: int = 32000  # capped at the verifier's vocabulary
-    val_partition: str = ""  # held out of the frequencies too; empty: the last partition
+class VocabMappingRunConfig(SettingsConfig):
+    draft_vocab_size: int = setting(32000, description="Draft vocabulary size (capped at the verifier's).", gt=0)
+    val_partition: str = setting("", description="Held-out partition (not counted); empty: the last partition.")
 
 
 @dg.asset(
@@ -51,7 +57,7 @@ class VocabMappingConfig(dg.Config):
     ),
 )
 def vocab_mapping(
-    config: VocabMappingConfig, data_store: DataStoreResource, verifier: VerifierResource
+    config: VocabMappingRunConfig, data_store: DataStoreResource, verifier: VerifierResource
 ) -> dg.MaterializeResult:
     from eagle3_assets.training import build_vocab_mapping
 
@@ -77,17 +83,43 @@ def vocab_mapping(
     )
 
 
-class DraftTrainingConfig(dg.Config):
-    epochs: int = 10
-    lr: float = 1e-3
-    tokens_per_batch: int = 4096
-    ttt_steps: int = 3
-    num_layers: int = 1
-    val_partition: str = ""  # empty: the last hidden_states partition
-    max_steps_per_epoch: int = 0  # 0: no cap
-    max_val_batches: int = 0  # validation batches per evaluation; 0: the whole held-out partition
-    init: str = "token_copy"  # "token_copy" (the draft starts by carrying the new token forward) or "speculators"
-    num_threads: int = 0  # torch threads on CPU; 0: all cores but one
+class DraftModelRunConfig(SettingsConfig):
+    """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
+
+    epochs: int = setting(10, description="Training epochs.", gt=0)
+    lr: float = setting(1e-3, description="AdamW learning rate.", gt=0.0)
+    tokens_per_batch: int = setting(4096, description="Packed tokens per step.", gt=0)
+    ttt_steps: int = setting(3, description="Training-time-test steps (draft positions trained).", gt=0)
+    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
+    max_steps_per_epoch: int | None = setting(None, description="Cap on steps per epoch; empty: none.", gt=0)
+    max_val_batches: int | None = setting(
+        None, description="Validation batches per evaluation; empty: the whole held-out partition.", gt=0
+    )
+    init: str = setting(
+        "token_copy",
+        description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
+        check=settings.one_of("token_copy", "speculators"),
+    )
+    num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+
+
+def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
+    """The core's TrainConfig from the asset's run config and the verifier resource."""
+    from eagle3_assets.training import TrainConfig
+
+    return TrainConfig(
+        epochs=config.epochs,
+        lr=config.lr,
+        tokens_per_batch=config.tokens_per_batch,
+        ttt_steps=config.ttt_steps,
+        num_layers=config.num_layers,
+        device=verifier.device,
+        max_steps_per_epoch=config.max_steps_per_epoch,
+        max_val_batches=config.max_val_batches,
+        init=config.init,
+        num_threads=config.num_threads,
+    )
 
 
 @dg.asset(
@@ -102,12 +134,12 @@ class DraftTrainingConfig(dg.Config):
 )
 def draft_model(
     context: dg.AssetExecutionContext,
-    config: DraftTrainingConfig,
+    config: DraftModelRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
-    from eagle3_assets.training import TrainConfig, train_draft
+    from eagle3_assets.training import train_draft
 
     train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
     result = train_draft(
@@ -115,18 +147,7 @@ def draft_model(
         train_keys,
         val_key,
         verifier.resolved_path(),
-        TrainConfig(
-            epochs=config.epochs,
-            lr=config.lr,
-            tokens_per_batch=config.tokens_per_batch,
-            ttt_steps=config.ttt_steps,
-            num_layers=config.num_layers,
-            device=verifier.device,
-            max_steps_per_epoch=config.max_steps_per_epoch or None,
-            max_val_batches=config.max_val_batches or None,
-            init=config.init,
-            num_threads=config.num_threads or None,
-        ),
+        train_config(config, verifier),
         log=context.log.info,
     )
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []

@@ -1,25 +1,62 @@
 """``draft_evaluation``: the trained draft's acceptance in vLLM speculative decoding and offline, vs an untrained."""
 
+from typing import TYPE_CHECKING
+
 import dagster as dg
 
-from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.settings import setting
+
+if TYPE_CHECKING:
+    from eagle3_assets.evaluation.evaluate import EvaluationOptions
+    from eagle3_assets.storage import DataLayout
 
 
-class DraftEvaluationConfig(dg.Config):
-    k: int = 3  # num_speculative_tokens
-    online: bool = True  # serve the verifier with the drafts in vLLM; False: offline simulation only
-    offline: bool = True
-    prompts: int = 32  # held-out prompts sent online
-    max_tokens: int = 128
-    concurrency: int = 1  # requests in flight per server (1: latency-bound decoding, where drafts pay off)
-    partition: str = ""  # held-out partition; empty: the last hidden_states partition (draft_model's default)
-    # stored samples simulated offline (~0.3-1 s each per draft on 2 busy cores); 0: the whole held-out partition
-    offline_max_samples: int = 256
-    untrained_baseline: bool = True
+class DraftEvaluationRunConfig(SettingsConfig):
+    """The draft_evaluation asset's run config; ``evaluation_options`` turns it into the core's options."""
+
+    k: int = setting(3, description="num_speculative_tokens.", gt=0)
+    online: bool = setting(True, description="Serve the verifier with the drafts in vLLM; false: offline only.")
+    offline: bool = setting(True, description="Simulate acceptance offline from the stored hidden states.")
+    prompts: int = setting(32, description="Held-out prompts sent online.", gt=0)
+    max_tokens: int = setting(128, description="max_tokens per online request.", gt=0)
+    concurrency: int = setting(
+        1, description="Requests in flight per server (1: latency-bound decoding, where drafts pay off).", gt=0
+    )
+    partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
+    # ~0.3-1 s per sample and draft on 2 busy cores
+    offline_max_samples: int | None = setting(
+        256, description="Stored samples simulated offline; empty: the whole held-out partition.", gt=0
+    )
+    untrained_baseline: bool = setting(True, description="Also measure an untrained draft of the same shape.")
     # servers already running elsewhere (empty: start local CPU vLLM servers)
-    plain_url: str = ""
-    draft_url: str = ""
-    served_model_name: str = ""
+    plain_url: str = setting("", description="Running server of the plain verifier; empty: start a local one.")
+    draft_url: str = setting("", description="Running server with the trained draft; empty: start a local one.")
+    served_model_name: str = setting("", description="Model id on those servers; empty: the verifier folder's name.")
+
+
+def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -> "EvaluationOptions":
+    """The core's EvaluationOptions from the asset's run config."""
+    from eagle3_assets.evaluation.evaluate import EvaluationOptions
+    from eagle3_assets.evaluation.online import OnlineConfig
+
+    return EvaluationOptions(
+        k=config.k,
+        online=config.online,
+        offline=config.offline,
+        untrained=config.untrained_baseline,
+        partition=config.partition or None,
+        offline_max_samples=config.offline_max_samples,
+        online_config=OnlineConfig(
+            prompts=config.prompts,
+            max_tokens=config.max_tokens,
+            concurrency=config.concurrency,
+            plain_url=config.plain_url or None,
+            draft_url=config.draft_url or None,
+            served_model_name=config.served_model_name or None,
+            log_dir=layout.evaluation_dir / "_logs",
+        ),
+    )
 
 
 # No pool: by default the asset starts (and stops) its own local vLLM servers, one at a time, and never sends
@@ -37,33 +74,16 @@ class DraftEvaluationConfig(dg.Config):
 )
 def draft_evaluation(
     context: dg.AssetExecutionContext,
-    config: DraftEvaluationConfig,
+    config: DraftEvaluationRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
-    options = EvaluationOptions(
-        k=config.k,
-        online=config.online,
-        offline=config.offline,
-        untrained=config.untrained_baseline,
-        partition=config.partition or None,
-        offline_max_samples=config.offline_max_samples or None,
-        online_config=OnlineConfig(
-            prompts=config.prompts,
-            max_tokens=config.max_tokens,
-            concurrency=config.concurrency,
-            plain_url=config.plain_url or None,
-            draft_url=config.draft_url or None,
-            served_model_name=config.served_model_name or None,
-            log_dir=layout.evaluation_dir / "_logs",
-        ),
-    )
+    options = evaluation_options(config, layout)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
     metadata: dict = {

@@ -7,15 +7,18 @@ from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.resources import DataStoreResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
 from eagle3_assets.lineage import RESPONSES_CODE_VERSION
+from eagle3_assets.settings import setting
 
 COMPLETENESS = "responses_complete"
 ERROR_RATE = "responses_error_rate"
 
 
-class ResponsesConfig(dg.Config):
-    max_error_rate: float = 0.01  # the error-rate check fails above this share of failed samples
+class ResponsesRunConfig(SettingsConfig):
+    max_error_rate: float = setting(
+        0.01, description="The error-rate check fails above this share of failed samples.", ge=0.0, le=1.0
+    )
 
 
 @dg.asset(
@@ -43,7 +46,7 @@ class ResponsesConfig(dg.Config):
 )
 def synthetic_responses(
     context: dg.AssetExecutionContext,
-    config: ResponsesConfig,
+    config: ResponsesRunConfig,
     data_store: DataStoreResource,
     inference_server: InferenceServerResource,
 ):

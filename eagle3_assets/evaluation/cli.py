@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import json
 
-    from eagle3_assets import settings
+    from eagle3_assets.defs.resources import env_value
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.report import write_report
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.offline_only and args.online_only:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)
         return 2
-    layout = DataLayout.at(args.data_dir or settings.read_env("EAGLE3_DATA_DIR"))
+    layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     options = EvaluationOptions(
         k=args.k,
         online=not args.offline_only,

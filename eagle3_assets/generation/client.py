@@ -7,7 +7,7 @@ server and an idle one. For the same reason the request goes through ``AsyncOpen
 headers built once per client (:class:`EngineAsyncOpenAI`), over an httpx2 client whose transport reads each body
 in one piece (:class:`AiohttpBodyTransport`): 0.4-0.8 ms of client CPU per request less than ``client.post`` over
 the SDK's own aiohttp client (more on a busier machine), the same request on the wire, the same errors
-(``tests/test_generation_transport.py``).
+(``tests/unit/test_generation_transport.py``).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.settings import check_base_urls
+from eagle3_assets.settings import fail as _fail
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
 _RESERVED = frozenset(
@@ -32,10 +33,6 @@ def display_url(url: str) -> str:
     if parts.port:
         host = f"{host}:{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def _fail(name: str, value: object, why: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r}: {why}")
 
 
 @dataclass(frozen=True)
@@ -72,16 +69,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
-        urls = tuple(u.strip().rstrip("/") for u in urls)
-        object.__setattr__(self, "base_urls", urls)
-        if not urls:
-            raise _fail("base_urls", list(urls), "needs at least one http(s) URL")
-        for url in urls:
-            parsed = urlparse(url)
-            if parsed.scheme not in {"http", "https"} or not parsed.netloc:
-                raise _fail("base_urls", url, "is not an http(s) URL like http://127.0.0.1:8000/v1")
-        if len(set(urls)) != len(urls):
-            raise _fail("base_urls", list(urls), "lists the same URL twice")
+        object.__setattr__(self, "base_urls", tuple(check_base_urls("base_urls", urls)))
         if self.model is not None and not str(self.model).strip():
             raise _fail("model", self.model, "must be a model name or None (ask /v1/models)")
         for name in ("concurrency", "max_tokens", "max_attempts", "bench_after_failures"):
