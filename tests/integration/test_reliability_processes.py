@@ -17,6 +17,7 @@ from test_local_vllm_server import FAKE_API_SERVER, _config, _gone
 
 from eagle3_assets.generation import GenerationConfig
 from eagle3_assets.local import vllm_server as vs
+from support.common import child_env
 
 SERVE_ARGS = ("--served-model-name", "tiny", "--host", "127.0.0.1", "--port")
 
@@ -57,10 +58,7 @@ def test_the_server_dies_when_its_parent_is_killed(tmp_path: Path, model_dir: Pa
             """
         )
     )
-    repo = Path(__file__).resolve().parents[1]
-    parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)}
-    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=child_env())
     assert parent.stdout is not None
     server_pid = int(parent.stdout.readline())
     try:
