@@ -27,6 +27,7 @@ from eagle3_assets.generation.fingerprint import (
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
+from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
 
 Log = Callable[[str], None]
@@ -130,6 +131,26 @@ async def _served_model(config: GenerationConfig, log: Log) -> str:
     finally:
         await close_all(transports)
     return model
+
+
+def _request_model(config: GenerationConfig, manifest: Path, log: Log) -> tuple[str, Exception | None]:
+    """(the model requests go to, the preflight error when it had to be guessed).
+
+    Configured: that one. Otherwise the server says which it serves. When no server answers, the model the
+    partition's manifest recorded stands in, so a partition whose rows are all current under it completes
+    without a server; the caller raises the preflight's error as soon as anything has to be generated.
+    """
+    if config.model:
+        return config.model, None
+    try:
+        return run_async(_served_model(config, log)), None
+    except (RuntimeError, ConfigError) as error:
+        try:
+            recorded = storage.read_json(manifest)["request"]["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise error from None
+        log(f"no server answered ({error}); checking the stored rows against their recorded model {recorded!r}")
+        return str(recorded), error
 
 
 def _stamped(append: Callable[[dict[str, Any]], None], fingerprints: Mapping[str, str]) -> Callable[..., None]:
@@ -244,7 +265,7 @@ def generate_partition(
     lock = layout.lock_path("synthetic_responses", partition_key)
     with storage.exclusive_lock(lock, f"synthetic_responses partition {partition_key}"):
         # Which request each prompt is sent as decides which stored rows are still answers to it.
-        model = config.model or run_async(_served_model(config, log))
+        model, unreachable = _request_model(config, layout.responses_manifest_path(partition_key), log)
         config = dataclasses.replace(config, model=model)
         inputs = FingerprintInputs(model=model, sampling_params=config.sampling_params())
         fingerprints = fingerprints_for(inputs, prompts)
@@ -273,6 +294,8 @@ def generate_partition(
             + f"); {len(todo) - failed_before - stale} to generate"
         )
         stats = EngineStats()
+        if todo and unreachable is not None:
+            raise unreachable  # rows to generate and no server to ask: the preflight's own error
         if todo:
             # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
             # the first journal write.

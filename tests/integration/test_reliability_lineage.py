@@ -227,3 +227,16 @@ def test_responses_report_a_data_version_and_failed_checks_block_downstream(
 
     recorded = PartitionLineage.load(layout, "synthetic_responses", KEY)
     assert recorded is not None and not recorded.checks_passed
+
+
+def test_without_a_configured_model_a_complete_partition_needs_no_server(
+    layout: DataLayout, server: FakeServerProcess
+) -> None:
+    """The model is part of every fingerprint; unconfigured, the server names it. With no server answering, the
+    model the manifest recorded stands in: a partition current under it completes, anything to generate fails."""
+    run(layout, server.base_url, model=None)
+    dead = "http://127.0.0.1:9/v1"
+    quick = {"model": None, "max_attempts": 1, "connect_timeout_s": 1.0}
+    assert run(layout, dead, **quick).requested == 0
+    with pytest.raises(RuntimeError, match="could not find the served model"):
+        run(layout, dead, make_prompts(edit={0: "edited"}), **quick)
