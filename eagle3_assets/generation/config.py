@@ -39,6 +39,9 @@ def display_url(url: str) -> str:
 class GenerationConfig:
     base_urls: tuple[str, ...]
     model: str | None = None  # None: ask GET /v1/models once
+    # What the served weights are, when known (a revision or a content hash of the model folder): part of every
+    # row's request fingerprint, so other weights under the same served name are answered again.
+    model_revision: str | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged, never written
     concurrency: int = 128  # requests in flight for the whole run
     per_endpoint_cap: int | None = None  # in flight per base URL; None = concurrency

@@ -267,7 +267,7 @@ def generate_partition(
         # Which request each prompt is sent as decides which stored rows are still answers to it.
         model, unreachable = _request_model(config, layout.responses_manifest_path(partition_key), log)
         config = dataclasses.replace(config, model=model)
-        inputs = FingerprintInputs(model=model, sampling_params=config.sampling_params())
+        inputs = FingerprintInputs(model, config.sampling_params(), config.model_revision)
         fingerprints = fingerprints_for(inputs, prompts)
 
         def current(record: Mapping[str, Any]) -> bool:

@@ -92,6 +92,16 @@ def test_a_run_killed_and_resumed_with_other_settings_never_mixes_two_settings(
     assert (result.requested, result.resumed, result.stale) == (N, 0, N // 2)
 
 
+def test_other_weights_under_the_same_served_name_are_answered_again(
+    layout: DataLayout, server: FakeServerProcess
+) -> None:
+    run(layout, server.base_url, model_revision="content:aaaa")
+    assert run(layout, server.base_url, model_revision="content:aaaa").requested == 0
+    result = run(layout, server.base_url, model_revision="content:bbbb")  # e.g. a fine-tuned folder, same name
+    assert (result.requested, result.stale_reasons) == (N, {STALE_SETTINGS: N})
+    assert storage.read_json(layout.responses_manifest_path(KEY))["request"]["model_revision"] == "content:bbbb"
+
+
 def test_rows_written_before_fingerprints_are_stale(layout: DataLayout, server: FakeServerProcess) -> None:
     run(layout, server.base_url)
     path = layout.responses_path(KEY)
