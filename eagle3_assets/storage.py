@@ -8,6 +8,7 @@ Every file a stage writes goes through this module. Layout under the data direct
     synthetic_responses/{key}.parquet      one finished partition of responses
     synthetic_responses/_in_progress/{key}.jsonl   append-only log of a partition being generated
     synthetic_responses/_manifests/{key}.json      lineage: the request settings every row answers, digests
+    synthetic_responses/_superseded/{key}.parquet  ok rows of earlier settings, reused if those come back
     {asset}/_lineage/{key}.json            data version, inputs and check outcomes of a partition (lineage.py)
     hidden_states/{key}.parquet            per-sample index of a finished hidden-states partition
     hidden_states/{key}/                   speculators' offline layout for that partition
@@ -80,6 +81,9 @@ class DataLayout:
 
     def responses_manifest_path(self, partition_key: str) -> Path:
         return self.asset_dir("synthetic_responses") / "_manifests" / f"{partition_key}.json"
+
+    def responses_superseded_path(self, partition_key: str) -> Path:
+        return self.asset_dir("synthetic_responses") / "_superseded" / f"{partition_key}.parquet"
 
     def lineage_path(self, asset: str, partition_key: str) -> Path:
         return self.asset_dir(asset) / "_lineage" / f"{partition_key}.json"

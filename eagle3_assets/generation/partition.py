@@ -274,6 +274,10 @@ def generate_partition(
             return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
 
         previous, stale_previous = _previous_rows(final_path, wanted, current, log)
+        # answers to a request that was current once, kept aside when settings changed: current again, reused
+        archive_path = layout.responses_superseded_path(partition_key)
+        archived, old_archived = _previous_rows(archive_path, wanted, current, log)
+        previous = merge_records(archived, previous)
         contents = read_journal(journal_path, current)
         torn = contents.torn_bytes
         if torn:
@@ -316,6 +320,7 @@ def generate_partition(
             raise RuntimeError(f"partition {partition_key}: {len(missing)} samples have no record, e.g. {missing[:3]}")
         frame = rows_to_frame([known[sid] for sid in ids])
         storage.write_parquet_atomic(frame, final_path)
+        _keep_superseded(archive_path, frame, old_archived, stale_previous, contents.stale)
         data_version = storage.file_digest(final_path)
         storage.write_json_atomic(
             {
@@ -340,6 +345,23 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Mapping[str, Any]]) -> None:
+    """Keep the ok rows the final file no longer holds (answers to an earlier request) in ``path``, one per sample
+    and request, so going back to those settings reuses them instead of requesting them again. Resume only ever
+    takes a row from there whose fingerprint is current: nothing is mixed."""
+    in_final = set(zip(final["sample_id"].to_list(), final[FINGERPRINT_COLUMN].to_list(), strict=True))
+    rows: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for source in sources:
+        for sid, row in source.items():
+            key = (sid, row.get(FINGERPRINT_COLUMN))
+            if row.get("status") == STATUS_OK and key[1] and key not in in_final:
+                rows[key] = row  # type: ignore[index]
+    if rows:
+        storage.write_parquet_atomic(rows_to_frame(list(rows.values())), path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _stale_reasons(

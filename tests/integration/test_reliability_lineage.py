@@ -74,6 +74,11 @@ def test_raised_max_tokens_regenerates_every_row(layout: DataLayout, server: Fak
     assert [json.loads(p)["max_tokens"] for p in params] == [4000]
     # unchanged settings: nothing is requested again
     assert run(layout, server.base_url, max_tokens=4000).requested == 0
+    # back to the first settings: their answers were kept aside and are reused as they were, nothing is mixed
+    back = run(layout, server.base_url, max_tokens=2000)
+    assert (back.requested, back.resumed) == (0, N)
+    params = pl.read_parquet(layout.responses_path(KEY))["sampling_params"].unique().to_list()
+    assert [json.loads(p)["max_tokens"] for p in params] == [2000]
 
 
 def test_a_run_killed_and_resumed_with_other_settings_never_mixes_two_settings(
