@@ -10,7 +10,6 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import write_jsonl
 
 from eagle3_assets import settings
 from eagle3_assets.defs.draft import DraftModelRunConfig
@@ -20,8 +19,9 @@ from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import default_resources, env_value, settings_markdown, settings_resources
 from eagle3_assets.defs.responses import synthetic_responses
+from support.common import write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _failure_text(result: dg.ExecuteInProcessResult) -> str:
