@@ -101,18 +101,42 @@ def plan_missing(
 
         plan.stale = {k: d.describe() for k, d in prompt_drift(layout, scope).items()}
     chosen: set[str] = set()
+    failed_checks = _failed_checks(layout, [anchor, *partitioned_downstream(graph, anchor)], scope)
     for key in [anchor, *(partitioned_downstream(graph, anchor) if downstream else [])]:
         states = partition_status(instance, key, partitions_def, scope)
         name = key.to_user_string()
         plan.status[name] = states
         own = {k for k, s in states.items() if s in (MISSING, FAILED)}
+        own |= {k for k in failed_checks.get(name, {}) if states.get(k) != IN_PROGRESS}
         if key == anchor:
+            for k, why in failed_checks.get(name, {}).items():
+                plan.stale.setdefault(k, why)
             own |= {k for k in plan.stale if states.get(k) != IN_PROGRESS}
         else:  # a descendant also follows what is regenerated upstream of it
             own |= {k for k in chosen if states.get(k) != IN_PROGRESS}
         plan.targets[name] = [k for k in scope if k in own]
         chosen |= own
     return plan
+
+
+def _failed_checks(
+    layout: DataLayout | None, keys: Sequence[dg.AssetKey], scope: Sequence[str]
+) -> dict[str, dict[str, str]]:
+    """asset -> partition -> "checks failed: ..." for partitions whose recorded (blocking) checks failed: Dagster
+    counts them as materialized (the output was written before its checks ran), but nothing downstream uses them."""
+    if layout is None:
+        return {}
+    from eagle3_assets.lineage import PartitionLineage
+
+    found: dict[str, dict[str, str]] = {}
+    for key in keys:
+        name = key.to_user_string()
+        for partition in scope:
+            lineage = PartitionLineage.load(layout, name, partition)
+            if lineage is not None and lineage.checks and not lineage.checks_passed:
+                failed = sorted(check for check, passed in lineage.checks.items() if not passed)
+                found.setdefault(name, {})[partition] = f"checks failed: {', '.join(failed)}"
+    return found
 
 
 def launch(

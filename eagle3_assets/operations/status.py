@@ -5,7 +5,8 @@ materialized: run ``eagle3 sync``), ``dagster only`` (a recorded materialization
 missing-only backfill will NOT regenerate it; wipe the partition in the UI or materialize it again) or
 ``neither``. A ``synthetic_responses`` file that no longer answers its partition's prompt set (prompts appended
 to a half-full partition, edited or dropped) is noted ``prompts changed``: ``eagle3 backfill --missing`` plans
-it. ``rows`` compares the file's footer with the ``dg.row_count`` of the latest materialization.
+it; so is a partition whose recorded (blocking) checks failed (noted ``checks failed``). ``rows`` compares the
+file's footer with the ``dg.row_count`` of the latest materialization.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class PartitionRow:
     dagster_rows: int | None  # dg.row_count of the latest materialization
     synced: bool  # the latest materialization was recorded by `eagle3 sync`, not by a run
     error: str = ""  # why the file on disk is unreadable
-    stale: str = ""  # why the file is out of date with the prompt table (empty: current)
+    stale: str = ""  # why the file is out of date (prompts changed) or unusable (checks failed); empty: current
 
     @property
     def rows_agree(self) -> bool | None:
@@ -93,10 +94,19 @@ def partition_table(
                     record.row_count if record else None,
                     bool(record and not record.run_id),
                     errors.get(partition, ""),
-                    drift.get(partition, "") if name == "synthetic_responses" else "",
+                    drift.get(partition) or _failed_checks(layout, name, partition),
                 )
             )
     return rows
+
+
+def _failed_checks(layout: DataLayout, asset: str, partition: str) -> str:
+    from eagle3_assets.lineage import PartitionLineage
+
+    lineage = PartitionLineage.load(layout, asset, partition)
+    if lineage is None or not lineage.checks or lineage.checks_passed:
+        return ""
+    return "checks failed: " + ", ".join(sorted(k for k, ok in lineage.checks.items() if not ok))
 
 
 def render(rows: list[PartitionRow]) -> str:

@@ -242,6 +242,16 @@ def test_responses_report_a_data_version_and_failed_checks_block_downstream(
 
     recorded = PartitionLineage.load(layout, "synthetic_responses", KEY)
     assert recorded is not None and not recorded.checks_passed
+    from eagle3_assets.operations import backfill
+
+    plan = backfill.plan_missing(instance, layout=layout)  # Dagster counts it materialized: planned for its checks
+    assert plan.status["synthetic_responses"][KEY] == "materialized"
+    assert plan.targets["synthetic_responses"] == [KEY]
+    assert plan.stale[KEY] == "checks failed: responses_error_rate", (plan.status, plan.stale)
+    from eagle3_assets.operations import status
+
+    rows = {(r.asset, r.partition_key): r for r in status.partition_table(instance, layout)}
+    assert rows["synthetic_responses", KEY].stale == "checks failed: responses_error_rate"
 
 
 def test_without_a_configured_model_a_complete_partition_needs_no_server(
