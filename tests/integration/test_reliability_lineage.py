@@ -265,3 +265,55 @@ def test_without_a_configured_model_a_complete_partition_needs_no_server(
     assert run(layout, dead, **quick).requested == 0
     with pytest.raises(RuntimeError, match="could not find the served model"):
         run(layout, dead, make_prompts(edit={0: "edited"}), **quick)
+
+
+def test_hidden_states_are_marked_stale_when_their_responses_change(
+    tmp_path: Path, layout: DataLayout, instance: dg.DagsterInstance
+) -> None:
+    """What the UI shows: after a partition's responses are generated again (an edited prompt), Dagster's stale
+        status of that hidden_states partition is STALE (the responses' data version changed); the other partition's
+    responses materialized again unchanged keep their data version, so its hidden states stay FRESH."""
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+    from dagster._core.loader import LoadingContextForTest
+
+    from eagle3_assets.defs.hidden_states import hidden_states
+    from eagle3_assets.defs.inference import RemoteVLLMResource
+    from eagle3_assets.defs.prompts import raw_prompts
+    from eagle3_assets.defs.resources import VerifierResource
+    from eagle3_assets.defs.responses import synthetic_responses
+    from support.hidden_states_data import cached_tiny_verifier
+
+    rows = [{"id": f"s{i}", "prompt": f"stale question {i}"} for i in range(6)]
+    dataset = write_jsonl(tmp_path / "p.jsonl", rows)
+    assets = [raw_prompts, synthetic_responses, hidden_states]
+    with FakeServerProcess(FakeConfig(token_rate=20000, median_tokens=20)) as fake:
+        resources = make_resources(
+            layout,
+            dataset,
+            partition_size=3,
+            # the fake server's token ids are not the tiny verifier's: hidden states render the text instead
+            inference_server=RemoteVLLMResource(base_url=fake.base_url, concurrency=4, return_token_ids=False),
+            verifier=VerifierResource(path=str(cached_tiny_verifier()), layer_ids="1,2,3"),
+        )
+
+        def materialize(*selection: dg.AssetsDefinition, partition: str | None = None) -> None:
+            result = dg.materialize(
+                assets, selection=list(selection), partition_key=partition, instance=instance, resources=resources
+            )
+            assert result.success
+
+        materialize(raw_prompts)
+        for key in ("00000", "00001"):
+            materialize(synthetic_responses, hidden_states, partition=key)
+
+        def status(key: str) -> StaleStatus:
+            graph = dg.Definitions(assets=assets, resources=resources).resolve_asset_graph()
+            resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
+            return resolver.get_status(hidden_states.key, key)
+
+        assert (status("00000"), status("00001")) == (StaleStatus.FRESH, StaleStatus.FRESH)
+        write_jsonl(dataset, [{**r, "prompt": "edited"} if r["id"] == "s1" else r for r in rows])
+        materialize(raw_prompts)
+        materialize(synthetic_responses, partition="00000")
+        materialize(synthetic_responses, partition="00001")  # nothing changed: same content, same data version
+    assert (status("00000"), status("00001")) == (StaleStatus.STALE, StaleStatus.FRESH)
