@@ -76,14 +76,12 @@ def prompt_drift(layout: DataLayout, keys: Iterable[str] | None = None) -> dict[
     if not files or not layout.prompts_path.exists():
         return {}
     drift: dict[str, PromptDrift] = {}
+    prompts = _quote(layout.prompts_path)
     with duckdb.connect() as con:
-        con.execute(
-            "CREATE TEMP TABLE prompts AS SELECT sample_id, partition_key, messages "
-            f"FROM read_parquet('{_quote(layout.prompts_path)}')"
-        )
         for key, path in files.items():
+            # the table is sorted by position, so the partition_key filter reads only that partition's row groups
             sql = f"""
-                WITH p AS (SELECT sample_id, messages FROM prompts WHERE partition_key = ?),
+                WITH p AS (SELECT sample_id, messages FROM read_parquet('{prompts}') WHERE partition_key = ?),
                      r AS (SELECT sample_id, messages FROM read_parquet('{_quote(path)}'))
                 SELECT count(*) FILTER (WHERE r.sample_id IS NULL),
                        count(*) FILTER (WHERE p.sample_id IS NULL),

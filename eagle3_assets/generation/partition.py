@@ -289,30 +289,13 @@ def generate_partition(
         stale_reasons = _stale_reasons(prompts, set(known), fingerprints, stale_previous, contents.stale)
         todo = [p for p in prompts if p.sample_id not in kept]
         failed_before = sum(1 for p in todo if p.sample_id in known)
-        stale = sum(stale_reasons.values())
-        log(
-            f"synthetic_responses {partition_key}: {len(prompts)} prompts; {len(kept)} already ok on disk "
-            f"(kept, not requested again); {failed_before} failed before (retried); "
-            f"{stale} stale (answered another request, generated again"
-            + (f": {', '.join(f'{n} {why}' for why, n in stale_reasons.items())}" if stale else "")
-            + f"); {len(todo) - failed_before - stale} to generate"
-        )
+        _log_plan(log, partition_key, len(prompts), len(kept), failed_before, stale_reasons, len(todo))
         stats = EngineStats()
         if todo and unreachable is not None:
             raise unreachable  # rows to generate and no server to ask: the preflight's own error
         if todo:
-            # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
-            # the first journal write.
-            storage.ensure_free_space(
-                journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}"
-            )
-            journal = Journal.open(journal_path, valid_size=contents.valid_size)
-            try:
-                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept), fingerprints))
-            finally:
-                journal.close()
-                if journal.appended == 0 and journal_path.stat().st_size == 0:
-                    journal_path.unlink()  # a run that failed before any sample leaves no empty file
+            run = (todo, partition_key, config, journal_path, contents.valid_size)
+            stats, model = _run_pool(*run, log, len(kept), fingerprints)
             contents = read_journal(journal_path, current)
             known = merge_records(previous, _filtered(contents.records, wanted))
         missing = [sid for sid in ids if sid not in known]
@@ -322,29 +305,77 @@ def generate_partition(
         storage.write_parquet_atomic(frame, final_path)
         _keep_superseded(archive_path, frame, old_archived, stale_previous, contents.stale)
         data_version = storage.file_digest(final_path)
-        storage.write_json_atomic(
-            {
-                "partition_key": partition_key,
-                "request": inputs.as_dict(),
-                "settings_digest": inputs.settings_digest,
-                "prompt_set_digest": prompt_set_digest((p.sample_id, p.messages) for p in prompts),
-                "rows": frame.height,
-                "data_version": data_version,
-                "stale_regenerated": dict(stale_reasons),
-            },
-            layout.responses_manifest_path(partition_key),
-        )
+        _write_manifest(layout, partition_key, inputs, prompts, frame.height, data_version, stale_reasons)
         journal_path.unlink(missing_ok=True)
         result = _result(
             partition_key, final_path, frame, stats, len(kept), len(todo), model, time.monotonic() - started, torn
         )
         return dataclasses.replace(
             result,
-            stale=stale,
+            stale=sum(stale_reasons.values()),
             stale_reasons=dict(stale_reasons),
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _log_plan(
+    log: Log, partition_key: str, prompts: int, kept: int, failed_before: int, stale: Counter[str], todo: int
+) -> None:
+    count = sum(stale.values())
+    why = f": {', '.join(f'{n} {reason}' for reason, n in stale.items())}" if count else ""
+    log(
+        f"synthetic_responses {partition_key}: {prompts} prompts; {kept} already ok on disk "
+        f"(kept, not requested again); {failed_before} failed before (retried); "
+        f"{count} stale (answered another request, generated again{why}); {todo - failed_before - count} to generate"
+    )
+
+
+def _run_pool(
+    todo: Sequence[PromptToGenerate],
+    partition_key: str,
+    config: GenerationConfig,
+    journal_path: Path,
+    valid_size: int,
+    log: Log,
+    already_done: int,
+    fingerprints: Mapping[str, str],
+) -> tuple[EngineStats, str]:
+    """Generate ``todo`` into the partition's journal (cut to ``valid_size``: a torn last line goes)."""
+    # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on the
+    # first journal write.
+    storage.ensure_free_space(journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}")
+    journal = Journal.open(journal_path, valid_size=valid_size)
+    try:
+        return run_async(_generate(todo, partition_key, config, journal, log, already_done, fingerprints))
+    finally:
+        journal.close()
+        if journal.appended == 0 and journal_path.stat().st_size == 0:
+            journal_path.unlink()  # a run that failed before any sample leaves no empty file
+
+
+def _write_manifest(
+    layout: DataLayout,
+    partition_key: str,
+    inputs: FingerprintInputs,
+    prompts: Sequence[PromptToGenerate],
+    rows: int,
+    data_version: str,
+    stale: Counter[str],
+) -> None:
+    """The partition's lineage: what every row answers (the fingerprint inputs), for which prompt set."""
+    storage.write_json_atomic(
+        {
+            "partition_key": partition_key,
+            "request": inputs.as_dict(),
+            "settings_digest": inputs.settings_digest,
+            "prompt_set_digest": prompt_set_digest((p.sample_id, p.messages) for p in prompts),
+            "rows": rows,
+            "data_version": data_version,
+            "stale_regenerated": dict(stale),
+        },
+        layout.responses_manifest_path(partition_key),
+    )
 
 
 def _keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Mapping[str, Any]]) -> None:
