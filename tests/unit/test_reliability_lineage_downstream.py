@@ -136,3 +136,29 @@ def test_checkpoint_fingerprint_follows_the_content_of_the_training_inputs(tmp_p
     assert pl.read_parquet(layout.hidden_states_index_path("00001")).height == 3
     shutil.copy2(cached_tiny_verifier(seed=1) / "model.safetensors", verifier / "model.safetensors")
     assert fingerprint() != after_data
+
+
+@pytest.mark.slow
+def test_a_checkpoint_trained_on_other_content_is_not_resumed(tmp_path: Path, verifier: Path) -> None:
+    """Same keys, same sample counts, same paths, other hidden-states content: training starts over instead of
+    resuming the checkpoint of the old data (a fingerprint of paths and counts resumed it)."""
+    from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
+
+    layout = DataLayout.at(tmp_path / "data")
+    keys = ["00000", "00001"]
+    for key in keys:
+        fabricate_responses(layout, key, 6, seed=int(key), min_words=10, max_words=20)
+        extract(layout, verifier, key)
+    build_vocab_mapping(layout, keys[:1], draft_vocab_size=128, target_vocab_size=1024)
+    one_epoch = TrainConfig(epochs=1, tokens_per_batch=256, max_steps_per_epoch=1, max_val_batches=1)
+    first = train_draft(layout, keys[:1], keys[1], verifier, one_epoch)
+    assert first.epochs_run == 1
+    two_epochs = TrainConfig(epochs=2, tokens_per_batch=256, max_steps_per_epoch=1, max_val_batches=1)
+    control = tmp_path / "control"  # the same inputs: training longer resumes the checkpoint
+    shutil.copytree(layout.root, control, ignore=shutil.ignore_patterns("_locks"))
+    assert train_draft(DataLayout.at(control), keys[:1], keys[1], verifier, two_epochs).resumed_from_epoch == 0
+
+    fabricate_responses(layout, "00000", 6, seed=42, min_words=10, max_words=20)  # other answers, as many
+    extract(layout, verifier, "00000")
+    again = train_draft(layout, keys[:1], keys[1], verifier, two_epochs)
+    assert again.resumed_from_epoch is None and again.epochs_run == 2
