@@ -66,9 +66,30 @@ def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
 check_base_urls.allowed = "http(s) URLs, comma-separated"  # type: ignore[attr-defined]
 
 
+def check_server_targets(key: str, value: object) -> tuple[int, ...]:
+    """Requests to keep each server at: positive integers, comma-separated (one for every server or one per base
+    URL), or empty (the default target)."""
+    text = str(value).strip()
+    if not text:
+        return ()
+    try:
+        targets = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise fail(key, value, "must be positive integers, comma-separated (e.g. 128 or 256,64)") from None
+    if not targets or any(t <= 0 for t in targets):
+        raise fail(key, value, "must be positive integers, comma-separated (e.g. 128 or 256,64)")
+    return targets
+
+
+check_server_targets.allowed = "positive integers, comma-separated, or empty"  # type: ignore[attr-defined]
+
+
 def check_optional_base_urls(key: str, value: str) -> list[str]:
     """Like ``check_base_urls``, but empty means "none" (e.g. start a local server instead)."""
     return check_base_urls(key, value) if str(value).strip() else []
+
+
+check_optional_base_urls.allowed = "http(s) URL, or empty"  # type: ignore[attr-defined]
 
 
 def parse_layer_ids(key: str, value: object) -> list[int] | None:
@@ -312,10 +333,13 @@ def _default_text(field: Declared) -> str:
 def markdown_table(classes: Iterable[type]) -> str:
     """The configuration table of every ``EAGLE3_*`` variable, generated from the declarations."""
     lines = ["| Variable | Default | Allowed | Meaning | Field |", "|---|---|---|---|---|"]
+    secrets_listed = set()
     for cls in classes:
         for field in declared(cls):
-            if field.env is None and not field.secret:
+            if (field.env is None and not field.secret) or (field.secret and field.default in secrets_listed):
                 continue
+            if field.secret:
+                secrets_listed.add(field.default)
             if field.secret:
                 key, allowed = str(field.default), "secret, read when a run starts; never logged or stored"
             else:

@@ -6,6 +6,7 @@ import dagster as dg
 
 from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
+from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
@@ -97,7 +98,8 @@ def hidden_states(
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(recorded.data_version) if recorded else None,
         metadata={
-            "dg.row_count": result.samples,
+            # one row per stored sample in the partition's index (the tensors are in safetensors files)
+            **parquet_table(result.index_path, result.samples, partitioned=True),
             "stored": result.stored,
             "skipped_existing": result.skipped_existing,
             "failed_responses_excluded": result.failed_responses_excluded,

@@ -5,6 +5,7 @@ import dagster as dg
 from eagle3_assets import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
+from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
@@ -81,9 +82,9 @@ def synthetic_responses(
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(result.data_version),
         metadata={
-            "dg.row_count": result.total,
+            **parquet_table(result.path, result.total, partitioned=True),
             "stale_regenerated": result.stale,
-            "stale_reasons": dg.MetadataValue.json(result.stale_reasons),
+            "stale_reasons": counts_table(result.stale_reasons, "reason"),
             "settings_digest": result.settings_digest,
             "ok": result.ok,
             "failed": result.failed,
@@ -100,8 +101,8 @@ def synthetic_responses(
             "wall_s": round(result.wall_s, 1),
             "model": result.model or "",
             "error_rate": result.error_rate,
-            "top_errors": dg.MetadataValue.json(result.top_errors),
-            "retry_reasons": dg.MetadataValue.json(result.retry_reasons),
+            "top_errors": counts_table(result.top_errors, "error"),
+            "retry_reasons": counts_table(result.retry_reasons, "reason"),
             "path": dg.MetadataValue.path(str(result.path)),
             "completion_length_histogram": dg.MetadataValue.md(
                 plots.histogram_markdown(completion_lengths, f"Completion length, partition {key}", "tokens")

@@ -43,8 +43,15 @@ class GenerationConfig:
     # row's request fingerprint, so other weights under the same served name are answered again.
     model_revision: str | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged, never written
-    concurrency: int = 128  # requests in flight for the whole run
+    # Requests in flight for the whole run when no server reports its load (/metrics); otherwise each server's
+    # default target (see server_targets and generation/capacity.py).
+    concurrency: int = 128
     per_endpoint_cap: int | None = None  # in flight per base URL; None = concurrency
+    # Per server: requests (running + waiting, every client together) to keep it at. One value for every base
+    # URL or one per URL, in order; empty = per_endpoint_cap or concurrency. A server without /metrics uses it
+    # as its fixed cap.
+    server_targets: tuple[int, ...] = ()
+    capacity_poll_s: float = 0.25  # how often each server's /metrics is read
     max_tokens: int = 8000
     # None: not sent, so vLLM applies the model's own generation_config defaults
     temperature: float | None = None
@@ -79,6 +86,13 @@ class GenerationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise _fail(name, value, "must be a positive integer")
+        targets = (self.server_targets,) if isinstance(self.server_targets, int) else tuple(self.server_targets)
+        object.__setattr__(self, "server_targets", targets)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in targets):
+            raise _fail("server_targets", list(targets), "must be positive integers")
+        if len(targets) not in (0, 1, len(urls)):
+            why = f"needs one value for every server or one per base URL ({len(urls)})"
+            raise _fail("server_targets", list(targets), why)
         cap = self.per_endpoint_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise _fail("per_endpoint_cap", cap, "must be a positive integer or None")
@@ -90,6 +104,7 @@ class GenerationConfig:
             "bench_s",
             "fsync_interval_s",
             "progress_interval_s",
+            "capacity_poll_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -112,7 +127,16 @@ class GenerationConfig:
 
     @property
     def endpoint_cap(self) -> int:
-        return self.per_endpoint_cap or self.concurrency
+        """The most requests one base URL may ever have in flight (sizes each connection pool)."""
+        return max((self.per_endpoint_cap or self.concurrency, *self.server_targets))
+
+    def server_target(self, url: str) -> int:
+        """The target of one server: its configured value, else per_endpoint_cap or concurrency."""
+        if not self.server_targets:
+            return self.per_endpoint_cap or self.concurrency
+        if len(self.server_targets) == 1:
+            return self.server_targets[0]
+        return self.server_targets[self.base_urls.index(url.strip().rstrip("/"))]
 
     def sampling_params(self) -> dict[str, Any]:
         """The sampling parameters sent with every request (stored with each row as JSON)."""

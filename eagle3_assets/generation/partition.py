@@ -171,6 +171,7 @@ async def _generate(
     log: Log,
     already_done: int,
     fingerprints: Mapping[str, str],
+    line_dir: Path | None = None,
 ) -> tuple[EngineStats, str]:
     transports = make_transports(config)
     try:
@@ -185,6 +186,7 @@ async def _generate(
             progress_prefix=f"synthetic_responses {partition_key} ",
             already_done=already_done,
             unhealthy=unhealthy,
+            line_dir=line_dir,
         )
         syncer = asyncio.get_running_loop().create_task(_sync_loop(journal, config.fsync_interval_s))
         try:
@@ -295,7 +297,9 @@ def generate_partition(
             raise unreachable  # rows to generate and no server to ask: the preflight's own error
         if todo:
             run = (todo, partition_key, config, journal_path, contents.valid_size)
-            stats, model = _run_pool(*run, log, len(kept), fingerprints)
+            # the partitions' line at the servers (key order among this pipeline's runs; generation/capacity.py)
+            line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
+            stats, model = _run_pool(*run, log, len(kept), fingerprints, line_dir)
             contents = read_journal(journal_path, current)
             known = merge_records(previous, _filtered(contents.records, wanted))
         missing = [sid for sid in ids if sid not in known]
@@ -340,6 +344,7 @@ def _run_pool(
     log: Log,
     already_done: int,
     fingerprints: Mapping[str, str],
+    line_dir: Path,
 ) -> tuple[EngineStats, str]:
     """Generate ``todo`` into the partition's journal (cut to ``valid_size``: a torn last line goes)."""
     # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on the
@@ -347,7 +352,7 @@ def _run_pool(
     storage.ensure_free_space(journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}")
     journal = Journal.open(journal_path, valid_size=valid_size)
     try:
-        return run_async(_generate(todo, partition_key, config, journal, log, already_done, fingerprints))
+        return run_async(_generate(todo, partition_key, config, journal, log, already_done, fingerprints, line_dir))
     finally:
         journal.close()
         if journal.appended == 0 and journal_path.stat().st_size == 0:

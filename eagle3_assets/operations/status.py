@@ -6,7 +6,7 @@ missing-only backfill will NOT regenerate it; wipe the partition in the UI or ma
 ``neither``. A ``synthetic_responses`` file that no longer answers its partition's prompt set (prompts appended
 to a half-full partition, edited or dropped) is noted ``prompts changed``: ``eagle3 backfill --missing`` plans
 it; so is a partition whose recorded (blocking) checks failed (noted ``checks failed``). ``rows`` compares the
-file's footer with the ``dg.row_count`` of the latest materialization.
+file's footer with the ``dagster/partition_row_count`` of the latest materialization.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout, footer_row_cou
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 BOTH, DISK_ONLY, DAGSTER_ONLY, NEITHER = "both", "disk only", "dagster only", "neither"
 
@@ -38,7 +39,7 @@ class PartitionRow:
     where: str
     dagster_status: str  # materialized / failed / in_progress / missing / unregistered
     disk_rows: int | None  # None: no file, or a file that is not readable Parquet (see error)
-    dagster_rows: int | None  # dg.row_count of the latest materialization
+    dagster_rows: int | None  # dagster/partition_row_count of the latest materialization
     synced: bool  # the latest materialization was recorded by `eagle3 sync`, not by a run
     error: str = ""  # why the file on disk is unreadable
     stale: str = ""  # why the file is out of date (prompts changed) or unusable (checks failed); empty: current

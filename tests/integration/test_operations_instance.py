@@ -24,7 +24,7 @@ def test_run_queue_and_vllm_pool(instance: dg.DagsterInstance) -> None:
     assert isinstance(instance.run_coordinator, QueuedRunCoordinator)
     config = instance.get_concurrency_config()
     assert config.run_queue_config is not None and config.run_queue_config.max_concurrent_runs == 4
-    assert config.pool_config.default_pool_limit == 2
+    assert config.pool_config.default_pool_limit == 4
     assert config.pool_config.pool_granularity is not None and config.pool_config.pool_granularity.value == "op"
 
 

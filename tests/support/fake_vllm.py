@@ -21,7 +21,12 @@ What it imitates:
   run is reproducible and a retried request usually succeeds: HTTP 500, 429, connection reset part-way
   through the body, hang (never answers), truncated body / stream, invalid JSON, a 200 whose body is not a
   chat completion, and empty ``choices``.
-- ``GET /stats`` (requests per prompt key, outcomes, in-flight peak) and ``POST /stats/reset``.
+- Capacity like vLLM's ``--max-num-seqs``: with ``max_num_seqs`` > 0 at most that many requests generate at
+  once and the rest wait in arrival order (their tokens start when they are scheduled); ``GET /metrics``
+  exports ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` in vLLM's Prometheus text format
+  (``--metrics false``: a server without ``/metrics``, answering 404).
+- ``GET /stats`` (requests per prompt key, outcomes, in-flight, running and waiting peaks, the integral of
+  running sequences over time, first request and last response) and ``POST /stats/reset``.
 
 The HTTP layer is a small asyncio protocol instead of a framework: in the benchmark the server shares two
 cores with the client under test, so every microsecond it spends per request or per SSE chunk skews the
@@ -45,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -84,6 +89,8 @@ class FakeConfig:
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
     hang_s: float = 3600.0
+    max_num_seqs: int = 0  # sequences generating at once; beyond it requests wait (0 = no limit)
+    metrics: bool = True  # serve GET /metrics (vLLM's scheduler gauges)
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,6 +101,8 @@ class FakeConfig:
             raise ValueError(f"fault rates sum above 1: {self.faults}")
         if self.reasoning_field not in {"reasoning", "reasoning_content", "none"}:
             raise ValueError(f"reasoning_field={self.reasoning_field!r}")
+        if self.max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be >= 0 (0 = no limit)")
 
 
 def prompt_key(messages: Sequence[dict[str, Any]]) -> str:
@@ -222,6 +231,11 @@ class _Stats:
         self.max_in_flight = 0
         self.total = 0
         self.completed = 0  # successful responses fully written to the socket
+        self.max_running = 0
+        self.max_waiting = 0
+        self.busy_seq_s = 0.0  # integral of running sequences over time (sequence-seconds)
+        self.first_request_at: float | None = None  # wall clock (time.time()) of the first chat request
+        self.last_response_at: float | None = None  # ... and of the last finished generation
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -231,7 +245,78 @@ class _Stats:
             "outcomes": dict(self.outcomes),
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "max_running": self.max_running,
+            "max_waiting": self.max_waiting,
+            "busy_seq_s": self.busy_seq_s,
+            "first_request_at": self.first_request_at,
+            "last_response_at": self.last_response_at,
         }
+
+
+class _Scheduler:
+    """vLLM's admission in miniature: ``max_num_seqs`` sequences run, later arrivals wait first-come first-served.
+
+    It also keeps the statistics a capacity benchmark needs: running/waiting peaks and the time integral of
+    running sequences, updated at every change (so they are exact, not sampled).
+    """
+
+    def __init__(self, app: FakeVLLM) -> None:
+        self.app = app
+        self.running = 0
+        self.waiting: deque[asyncio.Future[None]] = deque()
+        self._changed = time.monotonic()
+
+    def _account(self) -> None:
+        now = time.monotonic()
+        stats = self.app.stats
+        stats.busy_seq_s += self.running * (now - self._changed)
+        self._changed = now
+
+    def _start(self) -> None:
+        self._account()
+        self.running += 1
+        stats = self.app.stats
+        stats.max_running = max(stats.max_running, self.running)
+
+    async def admit(self) -> None:
+        limit = self.app.config.max_num_seqs
+        if not limit or (self.running < limit and not self.waiting):
+            self._start()
+            return
+        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(ticket)
+        self.app.stats.max_waiting = max(self.app.stats.max_waiting, len(self.waiting))
+        try:
+            await ticket
+        except asyncio.CancelledError:
+            if ticket in self.waiting:
+                self.waiting.remove(ticket)
+            elif ticket.done() and not ticket.cancelled():
+                self.release()  # scheduled in the same instant the client went away
+            raise
+
+    def release(self) -> None:
+        self._account()
+        self.running -= 1
+        self.app.stats.last_response_at = time.time()
+        limit = self.app.config.max_num_seqs
+        while self.waiting and (not limit or self.running < limit):
+            ticket = self.waiting.popleft()
+            if not ticket.done():
+                self._start()
+                ticket.set_result(None)
+
+    def metrics_text(self) -> bytes:
+        """The two scheduler gauges as vLLM 0.32 writes them (labels ``engine`` and ``model_name``)."""
+        labels = f'{{engine="0",model_name="{self.app.config.model}"}}'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {float(self.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {float(len(self.waiting))}\n"
+        ).encode()
 
 
 class FakeVLLM:
@@ -240,6 +325,7 @@ class FakeVLLM:
     def __init__(self, config: FakeConfig) -> None:
         self.config = config
         self.stats = _Stats()
+        self.scheduler = _Scheduler(self)
         self.created = int(time.time())
 
     async def serve(self, host: str, port: int) -> asyncio.base_events.Server:
@@ -343,6 +429,8 @@ class _Connection(asyncio.Protocol):
             self.respond(200, json.dumps(data).encode())
         elif method == "GET" and path in {"/health", "/ping"}:
             self.respond(200, b"{}")
+        elif method == "GET" and path == "/metrics" and app.config.metrics:
+            self.respond(200, app.scheduler.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
         elif method == "GET" and path == "/stats":
             self.respond(200, json.dumps(app.stats.as_json()).encode())
         elif method == "POST" and path == "/stats/reset":
@@ -372,6 +460,8 @@ class _Connection(asyncio.Protocol):
         seen = stats.requests[key]
         stats.requests[key] += 1
         stats.total += 1
+        if stats.first_request_at is None:
+            stats.first_request_at = time.time()
         model = request.get("model")
         if model != config.model:
             stats.outcomes["404"] += 1
@@ -403,10 +493,15 @@ class _Connection(asyncio.Protocol):
         stream = bool(request.get("stream"))
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
         ctx = _Completion(key, n, n_prompt, finish, config, fault, include_usage, bool(request.get("return_token_ids")))
-        if stream:
-            await self._stream(ctx)
-        else:
-            await self._complete(ctx)
+        scheduler = app.scheduler
+        await scheduler.admit()  # beyond max_num_seqs a request waits here, as in vLLM's waiting queue
+        try:
+            if stream:
+                await self._stream(ctx)
+            else:
+                await self._complete(ctx)
+        finally:
+            scheduler.release()
 
     async def _complete(self, c: _Completion) -> None:
         await asyncio.sleep(c.config.ttft_s + c.n / c.config.token_rate)
@@ -570,6 +665,14 @@ def config_to_args(config: FakeConfig) -> list[str]:
     return args
 
 
+def _parse_bool(text: str) -> bool:
+    if text.lower() in {"1", "true", "yes"}:
+        return True
+    if text.lower() in {"0", "false", "no"}:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[FakeConfig, str, int]:
     parser = argparse.ArgumentParser(prog="python -m support.fake_vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -579,7 +682,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[FakeConfig, str, int]
         if f.name == "faults":
             continue
         default = getattr(defaults, f.name)
-        kind = type(default) if default is not None else str
+        kind: Any = type(default) if default is not None else str
+        if kind is bool:
+            kind = _parse_bool
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default)
     for kind in FAULT_KINDS:
         parser.add_argument(f"--{kind.replace('_', '-')}", type=float, default=0.0, help=f"rate of {kind} faults")
