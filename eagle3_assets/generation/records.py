@@ -37,6 +37,8 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "status": pl.String(),
     "error": pl.String(),
     "finished_at": pl.Float64(),
+    # hash of what determined the answer (generation/fingerprint.py); null in files written before it existed
+    "request_fingerprint": pl.String(),
 }
 COLUMNS = tuple(RESPONSE_SCHEMA)
 
