@@ -11,8 +11,14 @@ per-sequence token rate and heavy-tailed (lognormal) response lengths, this prin
 
 plus the engine's client CPU per request and its peak memory at two sizes (memory must not grow with N).
 
+Each engine run is a fresh subprocess (same server, same workload, one after the other), so no run inherits
+another's warm state. ``--before PATH`` also runs the engine of another checkout of this repository (e.g. a
+``git worktree`` of the previous commit) side by side, and prints this tree's CPU per request as a ratio of it.
+
     .venv/bin/python benchmarks/generation_efficiency.py            # the acceptance workload (~3 min)
     .venv/bin/python benchmarks/generation_efficiency.py --quick    # 500 requests, C=64 (~1 min)
+    git worktree add /tmp/before HEAD~1 && .venv/bin/python benchmarks/generation_efficiency.py --quick \
+        --before /tmp/before --before-transports openai          # before/after in one run
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the checkout whose engine runs: this one, or (in a child of --before) the one given
+ROOT = Path(os.environ.get("EAGLE3_BENCH_TREE") or Path(__file__).resolve().parents[1])
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -119,6 +126,25 @@ async def _batch_then_gather(prompts: list[PromptToGenerate], base_url: str, arg
     return wall
 
 
+def engine_child(args: argparse.Namespace, base_url: str, transport: str) -> None:
+    """Run in a subprocess (with EAGLE3_BENCH_TREE naming the checkout): one engine run, its numbers as JSON."""
+    import polars  # noqa: F401  - a Dagster process has it loaded already; not charged to the run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = run_engine(make_prompts(args.requests), base_url, args, Path(tmp), transport=transport)
+    print(json.dumps(engine))
+
+
+def run_engine_in(tree: Path, args: argparse.Namespace, base_url: str, transport: str) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--requests", str(args.requests), "--concurrency", str(args.concurrency)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--engine-child", base_url, transport]
+    if args.stream:
+        cmd.append("--stream")
+    env = {**os.environ, "EAGLE3_BENCH_TREE": str(tree), "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transport: str) -> None:
     """Run in a subprocess: peak RSS growth during the pool, and during the final Parquet write."""
     prompts = make_prompts(n, tag=f"memory{n}")
@@ -176,13 +202,19 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--transports",
-        default="openai,aiohttp",
-        help="engine transports to run, comma-separated (openai = openai.AsyncOpenAI)",
+        default="aiohttp,openai",
+        help="engine transports to run, comma-separated (aiohttp = the default; openai = stock openai.AsyncOpenAI)",
     )
+    parser.add_argument("--before", type=Path, help="another checkout whose engine runs side by side (baseline)")
+    parser.add_argument("--before-transports", default="openai", help="its transports, comma-separated")
     parser.add_argument("--memory-sizes", default="1000,4000")
     parser.add_argument("--quick", action="store_true", help="500 requests, C=64, baseline on the same")
     parser.add_argument("--memory-child", nargs=2, metavar=("N", "URL"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine-child", nargs=2, metavar=("URL", "TRANSPORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine_child:
+        engine_child(args, *args.engine_child)
+        return
     if args.memory_child:
         memory_child(
             int(args.memory_child[0]),
@@ -214,40 +246,35 @@ def main() -> None:
         f"{'streaming' if args.stream else 'non-streaming'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     )
 
-    # generate_partition imports polars lazily for the final Parquet; a Dagster process has it loaded already, and
-    # whichever transport ran first would be charged for the import
-    import polars  # noqa: F401
-
     rows: list[tuple[str, float, str]] = [("ideal sum(d)/C", ideal, ""), ("in-order ceiling", ceiling, "")]
     verdicts = []
-    transports = [t for t in args.transports.split(",") if t]
+    runs = [("", ROOT, t) for t in args.transports.split(",") if t]
+    if args.before is not None:
+        runs = [("before ", args.before.resolve(), t) for t in args.before_transports.split(",") if t] + runs
+    cpu_of: dict[str, float] = {}
     with FakeServerProcess(fake) as server:
-        for transport in transports:
+        for label, tree, transport in runs:
             server.reset_stats()
             server_cpu0 = server.cpu_seconds()
-            with tempfile.TemporaryDirectory() as tmp:
-                engine = run_engine(prompts, server.base_url, args, Path(tmp), transport=transport)
+            engine = run_engine_in(tree, args, server.base_url, transport)
             server_cpu = server.cpu_seconds() - server_cpu0
             assert server.stats()["total_requests"] == args.requests
-            cpu = engine["cpu_ms_per_request"]
+            cpu = cpu_of[f"{label}{transport}"] = engine["cpu_ms_per_request"]
+            name = f"{label}engine [{transport}]"
             rows.append(
                 (
-                    f"engine [{transport}]: request pool",
+                    f"{name}: request pool",
                     engine["pool_s"],
                     f"client CPU {cpu:.2f} ms/request (whole call), server CPU "
                     f"{1000 * server_cpu / args.requests:.2f} ms/request",
                 )
             )
             rows.append(
-                (
-                    f"engine [{transport}]: generate_partition",
-                    engine["wall_s"],
-                    "end to end: + client setup, preflight, final Parquet, cleanup",
-                )
+                (f"{name}: generate_partition", engine["wall_s"], "end to end: + setup, preflight, final Parquet")
             )
             ratio = ceiling / engine["pool_s"]
             verdicts.append(
-                f"  [{transport}] {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
+                f"  {name} {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
                 f"{ratio:.3f} of the ceiling at {cpu:.2f} ms client CPU/request"
             )
         if not args.skip_baseline:
@@ -257,14 +284,20 @@ def main() -> None:
             rows.append(("batch-then-gather (SDK create + gather)", wall, note))
 
     print()
-    print(f"{'':42s} {'wall s':>8s} {'ideal/wall':>11s} {'ceiling/wall':>13s}")
+    print(f"{'':48s} {'wall s':>8s} {'ideal/wall':>11s} {'ceiling/wall':>13s}")
     for name, wall, note in rows:
-        print(f"{name:42s} {wall:8.2f} {ideal / wall:11.3f} {ceiling / wall:13.3f}  {note}")
+        print(f"{name:48s} {wall:8.2f} {ideal / wall:11.3f} {ceiling / wall:13.3f}  {note}")
     print(
         f"\nacceptance 4 (request pool >= 0.97 of the in-order ceiling at <= 2 ms client CPU/request; "
         f"load now {os.getloadavg()[0]:.1f}):"
     )
     print("\n".join(verdicts))
+    for before in (k for k in cpu_of if k.startswith("before ")):
+        for after in (k for k in cpu_of if not k.startswith("before ")):
+            print(
+                f"  client CPU/request, [{after}] / [{before}]: {cpu_of[after] / cpu_of[before]:.2f} "
+                f"({cpu_of[after]:.2f} vs {cpu_of[before]:.2f} ms)"
+            )
 
     sizes = [int(s) for s in args.memory_sizes.split(",") if s]
     if sizes:
@@ -278,7 +311,7 @@ def main() -> None:
                     "--concurrency",
                     str(c),
                     "--transports",
-                    transports[0],
+                    args.transports.split(",")[0],
                     "--memory-child",
                     str(n),
                     server.base_url,

@@ -20,7 +20,10 @@ What it imitates:
 - Fault injection, drawn per request from (seed, prompt, how many times that prompt was seen before), so a
   run is reproducible and a retried request usually succeeds: HTTP 500, 429, connection reset part-way
   through the body, hang (never answers), truncated body / stream, invalid JSON, a 200 whose body is not a
-  chat completion, and empty ``choices``.
+  chat completion, empty ``choices``, and a 200 whose fields have the wrong type (``content`` a list,
+  ``reasoning`` an object, usage counts as strings).
+- A key revoked mid-run: with ``revoke_after`` > 0, every chat request after the first ``revoke_after``
+  is answered ``revoke_status`` (401 or 403) as if the key had been withdrawn.
 - ``GET /stats`` (requests per prompt key, outcomes, in-flight peak) and ``POST /stats/reset``.
 
 The HTTP layer is a small asyncio protocol instead of a framework: in the benchmark the server shares two
@@ -60,7 +63,13 @@ FAULT_KINDS = (
     "invalid_json",
     "non_completion",
     "empty_choices",
+    # a 200 that lies about its types (vLLM never does; a proxy or another server might)
+    "content_list",  # content as a list of parts
+    "reasoning_object",  # reasoning as an object
+    "usage_strings",  # usage counts as strings
 )
+# the lying kinds: the body is whole and well-formed JSON, only a field's type is wrong
+LYING_FAULTS = frozenset({"content_list", "reasoning_object", "usage_strings"})
 
 _FORCED_TOKENS = re.compile(r"\[\[fake_tokens=(\d+)\]\]")
 _TOKEN_WIDTH = 6
@@ -83,6 +92,8 @@ class FakeConfig:
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
     hang_s: float = 3600.0
+    revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
+    revoke_status: int = 401
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,6 +204,7 @@ _REASONS = {
     200: "OK",
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     429: "Too Many Requests",
     500: "Internal Server Error",
@@ -371,6 +383,11 @@ class _Connection(asyncio.Protocol):
         seen = stats.requests[key]
         stats.requests[key] += 1
         stats.total += 1
+        if config.revoke_after and stats.total > config.revoke_after:
+            stats.outcomes["revoked"] += 1
+            status = config.revoke_status
+            self.respond(status, _error_body(status, "the API key was revoked", "AuthenticationError"))
+            return
         model = request.get("model")
         if model != config.model:
             stats.outcomes["404"] += 1
@@ -431,6 +448,8 @@ class _Connection(asyncio.Protocol):
             data["prompt_token_ids"] = prompt_token_ids(c.key, c.n_prompt)
             for choice in data["choices"]:
                 choice["token_ids"] = token_ids(c.key, 0, c.n)
+        if c.fault in LYING_FAULTS:
+            _lie(c.fault, data, message, c.config.reasoning_field)
         body = json.dumps(data).encode()
         if c.fault == "invalid_json":
             self.respond(200, body[: len(body) // 2])
@@ -456,6 +475,8 @@ class _Connection(asyncio.Protocol):
             f'"model":"{config.model}","choices":'
         ).encode()
         first = b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+        if c.fault == "reasoning_object":  # also when the answer has no reasoning tokens to carry the lie
+            first = first.replace(b'"content":""', b'"content":"","reasoning":{}')
         if c.return_token_ids:  # vLLM sends the prompt's ids once, in the first chunk
             first += b',"prompt_token_ids":' + json.dumps(prompt_token_ids(c.key, c.n_prompt)).encode()
         self.write(_chunk(prefix + first + b"}\n\n"))
@@ -475,16 +496,20 @@ class _Connection(asyncio.Protocol):
             if sent < n_reasoning:
                 upto = min(ready, n_reasoning)
                 if field_name != "none":
-                    text = token_text(c.key, sent, upto - sent)
+                    text = json.dumps(token_text(c.key, sent, upto - sent))
+                    if c.fault == "reasoning_object":
+                        text = f'{{"text":{text}}}'
                     parts.append(
-                        f'[{{"index":0,"delta":{{"{field_name}":{json.dumps(text)}}},'
+                        f'[{{"index":0,"delta":{{"{field_name}":{text}}},'
                         f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n'
                     )
                 sent = upto
             if ready > sent:
-                text = token_text(c.key, sent, ready - sent)
+                text = json.dumps(token_text(c.key, sent, ready - sent))
+                if c.fault == "content_list":
+                    text = f'[{{"type":"text","text":{text}}}]'
                 parts.append(
-                    f'[{{"index":0,"delta":{{"content":{json.dumps(text)}}},'
+                    f'[{{"index":0,"delta":{{"content":{text}}},'
                     f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n'
                 )
                 sent = ready
@@ -511,12 +536,29 @@ class _Connection(asyncio.Protocol):
                 f'"stop_reason":null}}]}}\n\n'.encode()
             )
         if c.include_usage:
-            usage = {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n}
+            usage: dict[str, Any] = {
+                "prompt_tokens": c.n_prompt,
+                "completion_tokens": c.n,
+                "total_tokens": c.n_prompt + c.n,
+            }
+            if c.fault == "usage_strings":
+                usage = {k: str(v) for k, v in usage.items()}
             tail.append(prefix + b'[],"usage":' + json.dumps(usage).encode() + b"}\n\n")
         tail.append(b"data: [DONE]\n\n")
         self.write(b"".join(_chunk(t) for t in tail) + b"0\r\n\r\n")
         if c.fault is None:
             self.app.stats.completed += 1
+
+
+def _lie(fault: str, data: dict[str, Any], message: dict[str, Any], reasoning_field: str) -> None:
+    """Give one field of a whole, well-formed completion body the wrong type."""
+    if fault == "content_list":
+        message["content"] = [{"type": "text", "text": message["content"]}]
+    elif fault == "reasoning_object":
+        name = "reasoning" if reasoning_field == "none" else reasoning_field
+        message[name] = {"text": message.get(name) or ""}
+    elif fault == "usage_strings":
+        data["usage"] = {k: str(v) for k, v in data["usage"].items()}
 
 
 @dataclass

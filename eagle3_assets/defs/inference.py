@@ -36,9 +36,9 @@ class InferenceServerResource(dg.ConfigurableResource):
     top_p: float = 0.95
     seed: int | None = None
     extra_body_json: str = ""  # extra request fields for vLLM, e.g. '{"ignore_eos": true}'
-    # "openai" (openai.AsyncOpenAI, the default) or "aiohttp" (same semantics, ~2x less client CPU;
-    # see benchmarks/generation_efficiency.py)
-    transport: str = "openai"
+    # "aiohttp" (the default: the project's own aiohttp client) or "openai" (stock openai.AsyncOpenAI: same
+    # requests and results, more client CPU; see benchmarks/generation_efficiency.py)
+    transport: str = "aiohttp"
     # store vLLM's prompt/completion token ids so hidden states use the served tokens (vLLM >= 0.10.2)
     return_token_ids: bool = True
 
@@ -56,7 +56,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         settings.parse_positive_float("idle_timeout_s", self.idle_timeout_s)
         settings.parse_positive_int("max_attempts", self.max_attempts)
         if self.transport not in ("openai", "aiohttp"):
-            raise settings.ConfigError(f"EAGLE3_TRANSPORT={self.transport!r}: must be 'openai' or 'aiohttp'")
+            raise settings.ConfigError(f"EAGLE3_TRANSPORT={self.transport!r}: must be 'aiohttp' or 'openai'")
         if self.extra_body_json.strip():
             import json
 

@@ -58,7 +58,9 @@ class GenerationConfig:
     # computed on exactly the tokens the server produced, where re-tokenizing the text differs at a quarter to a
     # third of positions. Servers that do not know the field ignore it (vLLM) or must be told False here.
     return_token_ids: bool = True
-    transport: str = "openai"  # "openai" (openai.AsyncOpenAI) or "aiohttp" (leaner, same semantics)
+    # "aiohttp" (the project's own aiohttp client, ~1 ms CPU per request) or "openai" (stock openai.AsyncOpenAI over
+    # the SDK's aiohttp client: same requests and results, more CPU); see generation/transport.py
+    transport: str = "aiohttp"
     # streaming: no bytes for this long = retryable failure. Generous: a request queued behind a full batch
     # gets no bytes until it is scheduled.
     idle_timeout_s: float = 300.0
@@ -113,7 +115,7 @@ class GenerationConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise _fail("seed", self.seed, "must be an integer or None")
         if self.transport not in ("openai", "aiohttp"):
-            raise _fail("transport", self.transport, "must be 'openai' or 'aiohttp'")
+            raise _fail("transport", self.transport, "must be 'aiohttp' or 'openai'")
         clash = _RESERVED & set(self.extra_sampling)
         if clash:
             raise _fail("extra_sampling", sorted(clash), "sets fields the engine owns; use the dedicated settings")

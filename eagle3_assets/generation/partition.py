@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +49,6 @@ class GenerationResult:
     top_errors: dict[str, int] = field(default_factory=dict)  # terminal error texts (200 chars) -> count
     retry_reasons: dict[str, int] = field(default_factory=dict)
     torn_bytes_dropped: int = 0
-
-    def metadata(self) -> dict[str, Any]:
-        """Plain JSON-able values for Dagster metadata (the wrapper picks what it shows)."""
-        data = asdict(self)
-        data["path"] = str(self.path)
-        return data
 
 
 def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGenerate]:
