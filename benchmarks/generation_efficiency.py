@@ -188,7 +188,7 @@ def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transpor
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=128)
@@ -211,7 +211,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="500 requests, C=64, baseline on the same")
     parser.add_argument("--memory-child", nargs=2, metavar=("N", "URL"), help=argparse.SUPPRESS)
     parser.add_argument("--engine-child", nargs=2, metavar=("URL", "TRANSPORT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.engine_child:
         engine_child(args, *args.engine_child)
         return
@@ -226,7 +230,14 @@ def main() -> None:
         return
     if args.quick:
         args.requests, args.concurrency = 500, 64
+    compare_engines(args)
+    sizes = [int(s) for s in args.memory_sizes.split(",") if s]
+    if sizes:
+        report_memory(args, sizes)
 
+
+def compare_engines(args: argparse.Namespace) -> None:
+    """Every engine run of the command line against one fake server, then the table and the verdicts."""
     fake = FakeConfig(
         token_rate=args.rate,
         median_tokens=args.median_tokens,
@@ -299,36 +310,38 @@ def main() -> None:
                 f"({cpu_of[after]:.2f} vs {cpu_of[before]:.2f} ms)"
             )
 
-    sizes = [int(s) for s in args.memory_sizes.split(",") if s]
-    if sizes:
-        mem_fake = FakeConfig(token_rate=20000, median_tokens=args.median_tokens, sigma=args.sigma, seed=args.seed)
-        results = []
-        with FakeServerProcess(mem_fake) as server:
-            for n in sizes:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--concurrency",
-                    str(c),
-                    "--transports",
-                    args.transports.split(",")[0],
-                    "--memory-child",
-                    str(n),
-                    server.base_url,
-                ]
-                if args.stream:
-                    cmd.append("--stream")
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                results.append(json.loads(out.strip().splitlines()[-1]))
+
+def report_memory(args: argparse.Namespace, sizes: list[int]) -> None:
+    """Peak RSS growth of the first transport's engine at each size, each in a fresh process."""
+    c = args.concurrency
+    mem_fake = FakeConfig(token_rate=20000, median_tokens=args.median_tokens, sigma=args.sigma, seed=args.seed)
+    results = []
+    with FakeServerProcess(mem_fake) as server:
+        for n in sizes:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--concurrency",
+                str(c),
+                "--transports",
+                args.transports.split(",")[0],
+                "--memory-child",
+                str(n),
+                server.base_url,
+            ]
+            if args.stream:
+                cmd.append("--stream")
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    print(
+        "\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
+        "assembled from the journal, so that phase holds one partition's rows by design):"
+    )
+    for r in results:
         print(
-            "\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
-            "assembled from the journal, so that phase holds one partition's rows by design):"
+            f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
+            f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)"
         )
-        for r in results:
-            print(
-                f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
-                f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)"
-            )
 
 
 if __name__ == "__main__":

@@ -441,7 +441,7 @@ class _Connection(asyncio.Protocol):
             "choices": []
             if c.fault == "empty_choices"
             else [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish, "stop_reason": None}],
-            "usage": {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n},
+            "usage": c.usage(),
             "prompt_logprobs": None,
         }
         if c.return_token_ids:  # vLLM's shape: prompt ids at the top, completion ids in the choice
@@ -449,7 +449,7 @@ class _Connection(asyncio.Protocol):
             for choice in data["choices"]:
                 choice["token_ids"] = token_ids(c.key, 0, c.n)
         if c.fault in LYING_FAULTS:
-            _lie(c.fault, data, message, c.config.reasoning_field)
+            _lie(c.fault, message, c.config.reasoning_field)
         body = json.dumps(data).encode()
         if c.fault == "invalid_json":
             self.respond(200, body[: len(body) // 2])
@@ -536,29 +536,20 @@ class _Connection(asyncio.Protocol):
                 f'"stop_reason":null}}]}}\n\n'.encode()
             )
         if c.include_usage:
-            usage: dict[str, Any] = {
-                "prompt_tokens": c.n_prompt,
-                "completion_tokens": c.n,
-                "total_tokens": c.n_prompt + c.n,
-            }
-            if c.fault == "usage_strings":
-                usage = {k: str(v) for k, v in usage.items()}
-            tail.append(prefix + b'[],"usage":' + json.dumps(usage).encode() + b"}\n\n")
+            tail.append(prefix + b'[],"usage":' + json.dumps(c.usage()).encode() + b"}\n\n")
         tail.append(b"data: [DONE]\n\n")
         self.write(b"".join(_chunk(t) for t in tail) + b"0\r\n\r\n")
         if c.fault is None:
             self.app.stats.completed += 1
 
 
-def _lie(fault: str, data: dict[str, Any], message: dict[str, Any], reasoning_field: str) -> None:
-    """Give one field of a whole, well-formed completion body the wrong type."""
+def _lie(fault: str, message: dict[str, Any], reasoning_field: str) -> None:
+    """Give one field of a whole, well-formed completion body the wrong type (usage: see _Completion.usage)."""
     if fault == "content_list":
         message["content"] = [{"type": "text", "text": message["content"]}]
     elif fault == "reasoning_object":
         name = "reasoning" if reasoning_field == "none" else reasoning_field
         message[name] = {"text": message.get(name) or ""}
-    elif fault == "usage_strings":
-        data["usage"] = {k: str(v) for k, v in data["usage"].items()}
 
 
 @dataclass
@@ -577,6 +568,13 @@ class _Completion:
         if not self.return_token_ids:
             return ""
         return ',"token_ids":' + json.dumps(token_ids(self.key, start, end - start))
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.n_prompt, "completion_tokens": self.n}
+        usage["total_tokens"] = self.n_prompt + self.n
+        if self.fault == "usage_strings":
+            return {k: str(v) for k, v in usage.items()}
+        return usage
 
     @property
     def n_reasoning(self) -> int:
