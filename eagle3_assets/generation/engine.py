@@ -245,8 +245,9 @@ class Engine:
     ) -> None:
         """Journal the sample's terminal record, then count it.
 
-        A record the journal refuses fails the sample with that error (a failed record is written instead);
-        only when that too cannot be written (the journal itself is broken: a full disk...) does the run stop.
+        A record the journal refuses (it cannot be serialized...) fails the sample with that error: a failed
+        record is written instead. A journal that cannot be written (an OSError: a full disk, a lost mount...)
+        stops the run, as does a failed record it refuses: no row would be safe there.
         """
         item.body = None
         record = self._record(item, endpoint, latency, completion, error)
@@ -256,10 +257,10 @@ class Engine:
         try:
             self.on_finished(record)
         except Exception as exc:
-            if completion is None:
+            if completion is None or isinstance(exc, OSError):
                 self._stop(exc)
-                return
-            self._fail_sample(item, endpoint, f"the reply could not be journaled: {type(exc).__name__}: {exc}")
+            else:
+                self._fail_sample(item, endpoint, f"the reply could not be journaled: {type(exc).__name__}: {exc}")
             return
         except BaseException as exc:
             self._stop(exc)
@@ -278,9 +279,10 @@ class Engine:
 
     def _fail_sample(self, item: _Item, endpoint: Endpoint, error: str) -> None:
         """Fail ``item`` with ``error`` after something went wrong between its reply and its record."""
+        error = self.config.redact(error)
         self.log(f"{self.progress_prefix}sample {item.prompt.sample_id}: {error}")
         try:
-            self._finish(item, endpoint, 0.0, error=self.config.redact(error))
+            self._finish(item, endpoint, 0.0, error=error)
         except Exception as exc:  # not even a failed record could be built: the run cannot account for it
             self._stop(exc)
 
