@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the project and its test support (tests/support: tiny verifier, fake server)
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 
 def main() -> int:
@@ -26,8 +27,8 @@ def main() -> int:
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import DTYPES
-    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier, fabricate_responses
     from eagle3_assets.storage import DataLayout
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     verifier = cached_tiny_verifier(hidden_size=args.hidden_size, vocab_size=args.vocab_size)
     layer_ids = [1, 2, 3]

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the project and its test support (tests/support: tiny verifier, fake server)
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 
 def main() -> int:
@@ -37,8 +38,8 @@ def main() -> int:
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import plan_batches, torch_threads
     from eagle3_assets.hidden_states.extract import _read_ok_responses, _render_rows
-    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier, fabricate_responses
     from eagle3_assets.storage import DataLayout
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     verifier = cached_tiny_verifier(num_layers=args.layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
     layer_ids = [1, 2, 3] if args.layers <= 4 else None

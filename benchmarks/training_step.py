@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the project and its test support (tests/support: tiny verifier, fake server)
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 
 def main() -> int:
@@ -35,10 +36,10 @@ def main() -> int:
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import torch_threads
-    from eagle3_assets.hidden_states.fixtures import cached_tiny_verifier, fabricate_responses
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
     from eagle3_assets.training.train import _loader, _to_device, build_draft, trainer_kwargs
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     verifier = cached_tiny_verifier(hidden_size=args.hidden_size, vocab_size=args.vocab_size).resolve()
     keys = ["00000", "00001", "00002"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,9 +13,10 @@ from eagle3_assets import settings
 
 
 def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from eagle3_assets.defs.resources import env_value
     from eagle3_assets.storage import DataLayout
 
-    return DataLayout.at(args.data_dir or settings.read_env("EAGLE3_DATA_DIR"))
+    return DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
 
 
 STATUS_COLUMNS = ("ok", "failed", "truncated", "prompt_tokens", "completion_tokens")
@@ -74,14 +76,21 @@ def _instance():  # type: ignore[no-untyped-def]
     return dg.DagsterInstance.get()
 
 
+BACKFILL_WITHOUT_MISSING = """\
+eagle3 backfill: add --missing. This command launches ONE backfill of the partitions that are missing or
+failed in Dagster (plus their partitioned downstream), so a re-run never regenerates finished partitions:
+    eagle3 backfill --missing --dry-run             # list what would be launched
+    eagle3 backfill --missing                       # launch it (the daemon of `make dev` runs it)
+    eagle3 backfill --missing --partitions 00003    # only these partitions
+To re-materialize partitions that are already done, select them in the UI (asset > Partitions >
+Materialize) or use `dagster asset materialize --select ASSET --partition KEY`."""
+
+
 def cmd_backfill(args: argparse.Namespace) -> int:
     from eagle3_assets.operations import backfill
 
     if not args.missing:
-        print(
-            "eagle3 backfill: only --missing is supported (full backfills: the UI or `dagster job backfill`)",
-            file=sys.stderr,
-        )
+        print(BACKFILL_WITHOUT_MISSING, file=sys.stderr)
         return 2
     partitions = [k.strip() for k in args.partitions.split(",") if k.strip()] if args.partitions else None
     # --json: only the JSON document on stdout (messages for people go to stderr).
@@ -136,7 +145,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     "partition": v.partition_key,
                     "path": str(v.path),
                     "reason": v.reason,
-                    "rows": v.metadata.get("dg.row_count"),
+                    "rows": v.metadata.get("rows"),
                 }
                 for v in verdicts
             ]
@@ -162,7 +171,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 f"partition keys: {', '.join(report.registered_partitions)}"
             )
         for v in report.recorded:
-            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('dg.row_count')} rows)")
+            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('rows')} rows)")
         for v in report.skipped_failed:
             print(f"skipped: {v.asset} {v.partition_key}: Dagster records a failed run; --include-failed records it")
         for v in report.invalid:
@@ -189,13 +198,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
+    from eagle3_assets.defs.resources import settings_classes, settings_markdown
+
     if args.markdown:
-        print(settings.settings_markdown())
+        print(settings_markdown())
         return 0
-    for key, setting in settings.ENV_SETTINGS.items():
-        value = "***" if setting.secret and settings.read_env(key) else settings.read_env(key)
-        print(f"{key}={value}")
-    return 0
+    bad = 0
+    for cls in settings_classes():
+        values, errors = settings.from_environ(cls)
+        for field in settings.declared(cls):
+            if field.secret:
+                print(f"{field.default}={'***' if os.environ.get(str(field.default)) else ''}")
+            elif field.env is not None:
+                error = next((e for e in errors if str(e).startswith(f"{field.env}=")), None)
+                bad += error is not None
+                value = f"ERROR {error}" if error else values.get(field.name, field.default)
+                print(f"{field.env}={'' if value is None else value}")
+    return 1 if bad else 0
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
@@ -231,7 +251,10 @@ FORWARDED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eagle3_assets import __version__
+
     parser = argparse.ArgumentParser(prog="eagle3", description="Operate the eagle3-assets pipeline.")
+    parser.add_argument("--version", action="version", version=f"eagle3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     counts = sub.add_parser("counts", help="rows per partition of every partitioned asset (DuckDB)")
@@ -244,15 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
 
     sample = sub.add_parser("sample-data", help="rebuild the shipped sample prompt dataset")
-    sample.add_argument("out")
-    sample.add_argument("--count", type=int, default=3000)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("out", help="JSONL file to write")
+    sample.add_argument("--count", type=int, default=3000, help="prompts to write (default: %(default)s)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     sample.set_defaults(func=cmd_sample_data)
 
     backfill = sub.add_parser(
         "backfill", help="launch ONE daemon backfill of the missing/failed partitions (visible in the UI)"
     )
-    backfill.add_argument("--missing", action="store_true", help="only partitions missing or failed in Dagster")
+    backfill.add_argument(
+        "--missing", action="store_true", help="required: only partitions missing or failed in Dagster"
+    )
     backfill.add_argument("--asset", default="synthetic_responses", help="anchor asset (default: %(default)s)")
     backfill.add_argument("--partitions", help="comma-separated keys to consider (default: all registered)")
     backfill.add_argument("--no-downstream", action="store_true", help="leave partitioned descendants out")
@@ -276,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (module, help_text) in FORWARDED.items():
         forward = sub.add_parser(name, help=help_text, add_help=False)
-        forward.add_argument("rest", nargs=argparse.REMAINDER)
+        forward.add_argument("rest", nargs=argparse.REMAINDER, help=f"arguments of `eagle3 {name}` (see its --help)")
         forward.set_defaults(func=_forward(module))
     return parser
 

@@ -1,19 +1,36 @@
-"""Typed settings read from ``EAGLE3_*`` environment variables, validated with errors that name the key.
+"""One declaration per setting, and the machinery that reads, validates and documents it (Dagster-free).
 
-This is the one place that knows the environment variables, their types and defaults. Dagster resources
-(``eagle3_assets.defs.resources``) take their defaults from here, so the UI launchpad shows the values the
-environment chose and can override them per run. Everything else receives typed values.
+Every setting is declared exactly once, as a pydantic field made by ``setting(...)`` on the Dagster class
+that uses it (a resource in ``eagle3_assets/defs/resources.py`` / ``defs/inference.py``, or an asset's run
+config). The field carries the typed default, the bounds, the description, the ``EAGLE3_*`` environment
+variable (if any) and an optional semantic check. From that one declaration come:
+
+- the launchpad's defaults: ``from_environ`` reads the environment variables when the definitions load
+  and binds the valid values, so the UI shows the effective values and can override them per run;
+- launch-time failure instead of load-time failure: a bad ``EAGLE3_*`` value is left out at load (the
+  code location always loads) and ``check_environ`` raises the same ``ConfigError`` naming the key when a
+  run that uses the resource starts (``SettingsResource.setup_for_execution``);
+- the same message for a bad launchpad value: ``validate_field`` wraps pydantic's validation of every
+  declared field and re-raises with the variable's name, the value and what it must be;
+- ``eagle3 config`` and ``eagle3 config --markdown`` (the README's configuration table): ``markdown_table``.
+
+Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME",
+description=..., gt=0, ...)`` to the resource that uses it (or to a new ``SettingsResource`` subclass
+listed in ``defs/resources.py`` ``SETTINGS_RESOURCES``), read ``self.name`` where it is needed, and
+regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 from urllib.parse import urlparse
+
+from pydantic import Field, ValidationError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SAMPLE_PROMPTS_PATH = PACKAGE_DIR / "data" / "sample_prompts.jsonl"
@@ -23,71 +40,56 @@ class ConfigError(ValueError):
     """A configuration value is wrong. The message names the key and the offending value."""
 
 
-def _fail(key: str, value: object, why: str) -> ConfigError:
+def fail(key: str, value: object, why: str) -> ConfigError:
+    """The one error shape for a bad value: ``KEY=value: what it must be``."""
     return ConfigError(f"{key}={value!r}: {why}")
 
 
-def parse_positive_int(key: str, value: object) -> int:
-    try:
-        number = int(str(value).strip())
-    except (TypeError, ValueError):
-        raise _fail(key, value, "must be a positive integer") from None
-    if number <= 0:
-        raise _fail(key, value, "must be a positive integer")
-    return number
+# ------------------------------------------------------------------------------------------ semantic checks
 
 
-def parse_positive_float(key: str, value: object) -> float:
-    try:
-        number = float(str(value).strip())
-    except (TypeError, ValueError):
-        raise _fail(key, value, "must be a positive number") from None
-    if not math.isfinite(number) or number <= 0:
-        raise _fail(key, value, "must be a positive number")
-    return number
-
-
-def parse_non_negative_float(key: str, value: object) -> float:
-    try:
-        number = float(str(value).strip())
-    except (TypeError, ValueError):
-        raise _fail(key, value, "must be a number >= 0") from None
-    if not math.isfinite(number) or number < 0:
-        raise _fail(key, value, "must be a number >= 0")
-    return number
-
-
-def parse_fraction(key: str, value: object) -> float:
-    try:
-        number = float(str(value).strip())
-    except (TypeError, ValueError):
-        raise _fail(key, value, "must be a number between 0 and 1") from None
-    if not (0.0 <= number <= 1.0):
-        raise _fail(key, value, "must be a number between 0 and 1")
-    return number
-
-
-def parse_bool(key: str, value: object) -> bool:
-    text = str(value).strip().lower()
-    if text in {"1", "true", "yes", "on"}:
-        return True
-    if text in {"0", "false", "no", "off", ""}:
-        return False
-    raise _fail(key, value, "must be true or false")
-
-
-def parse_base_urls(key: str, value: object) -> list[str]:
-    """A comma-separated list of OpenAI-compatible base URLs (``http(s)://host:port/v1``)."""
-    urls = [part.strip().rstrip("/") for part in str(value).split(",") if part.strip()]
+def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
+    """OpenAI-compatible base URL(s) (``http(s)://host:port/v1``): a comma-separated string or a sequence."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    urls = [str(part).strip().rstrip("/") for part in parts if str(part).strip()]
     if not urls:
-        raise _fail(key, value, "needs at least one http(s) URL")
+        raise fail(key, value, "needs at least one http(s) URL")
     for url in urls:
         parsed = urlparse(url)
         if parsed.scheme not in {"http", "https"} or not parsed.netloc:
-            raise _fail(key, value, f"{url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
+            raise fail(key, value, f"{url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
     if len(set(urls)) != len(urls):
-        raise _fail(key, value, "lists the same URL twice")
+        raise fail(key, value, "lists the same URL twice")
     return urls
+
+
+check_base_urls.allowed = "http(s) URLs, comma-separated"  # type: ignore[attr-defined]
+
+
+def check_server_targets(key: str, value: object) -> tuple[int, ...]:
+    """Requests to keep each server at: positive integers, comma-separated (one for every server or one per base
+    URL), or empty (the default target)."""
+    text = str(value).strip()
+    if not text:
+        return ()
+    try:
+        targets = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise fail(key, value, "must be positive integers, comma-separated (e.g. 128 or 256,64)") from None
+    if not targets or any(t <= 0 for t in targets):
+        raise fail(key, value, "must be positive integers, comma-separated (e.g. 128 or 256,64)")
+    return targets
+
+
+check_server_targets.allowed = "positive integers, comma-separated, or empty"  # type: ignore[attr-defined]
+
+
+def check_optional_base_urls(key: str, value: str) -> list[str]:
+    """Like ``check_base_urls``, but empty means "none" (e.g. start a local server instead)."""
+    return check_base_urls(key, value) if str(value).strip() else []
+
+
+check_optional_base_urls.allowed = "http(s) URL, or empty"  # type: ignore[attr-defined]
 
 
 def parse_layer_ids(key: str, value: object) -> list[int] | None:
@@ -98,122 +100,251 @@ def parse_layer_ids(key: str, value: object) -> list[int] | None:
     try:
         ids = [int(part) for part in text.replace(" ", ",").split(",") if part]
     except ValueError:
-        raise _fail(key, value, "must be comma-separated integers, e.g. 1,2,3") from None
+        raise fail(key, value, "must be comma-separated integers, e.g. 1,2,3") from None
     if len(ids) < 1 or len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-        raise _fail(key, value, "must be distinct non-negative integers")
+        raise fail(key, value, "must be distinct non-negative integers")
     return ids
 
 
+parse_layer_ids.allowed = "comma-separated distinct layer ids, or empty"  # type: ignore[attr-defined]
+
+
+def check_json_object(key: str, value: str) -> dict[str, Any]:
+    """``""`` or a JSON object (extra request fields)."""
+    if not str(value).strip():
+        return {}
+    try:
+        body = json.loads(value)
+    except ValueError as error:
+        raise fail(key, value, f"invalid JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise fail(key, value, "must be a JSON object")
+    return body
+
+
+check_json_object.allowed = "a JSON object, or empty"  # type: ignore[attr-defined]
+
+
+def one_of(*choices: str) -> Callable[[str, object], object]:
+    """A check that accepts only the listed strings."""
+
+    def check(key: str, value: object) -> object:
+        if value not in choices:
+            raise fail(key, value, "must be " + " or ".join(repr(c) for c in choices))
+        return value
+
+    check.allowed = " or ".join(f"`{c}`" for c in choices)  # type: ignore[attr-defined]
+    return check
+
+
+def check_not_blank(key: str, value: str) -> str:
+    if not str(value).strip():
+        raise fail(key, value, "must not be empty")
+    return value
+
+
+check_not_blank.allowed = "text, not empty"  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------------ declaration
+
+
+def setting(
+    default: Any,
+    *,
+    description: str,
+    env: str | None = None,
+    secret: bool = False,
+    check: Callable[[str, Any], object] | None = None,
+    **bounds: Any,
+) -> Any:
+    """A declared setting: a pydantic field with its default, description, bounds and environment variable.
+
+    ``bounds`` are pydantic's constraints (``gt``, ``ge``, ``le``, ``lt``); floats never accept NaN or
+    infinity. ``check(key, value)`` raises ``ConfigError`` for values the type cannot rule out (URLs, JSON).
+    ``secret``: the value is the *name* of the variable holding a secret (the secret is never config).
+    """
+    if isinstance(default, float) or any(isinstance(b, float) for b in bounds.values()):
+        bounds.setdefault("allow_inf_nan", False)
+    extra = {"env": env, "secret": secret, "check": check}
+    return Field(default=default, description=description, json_schema_extra=extra, **bounds)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class EnvSetting:
-    key: str
-    default: str
+class Declared:
+    """One declared field, as read back from a settings class."""
+
+    owner: str
+    name: str
+    env: str | None
+    default: Any
+    annotation: Any
     description: str
-    parse: Callable[[str, object], Any]
-    secret: bool = False
+    secret: bool
+    check: Callable[[str, Any], object] | None
+    bounds: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        """The name errors use: the environment variable when there is one, else the field name."""
+        return self.env or self.name
 
 
-def _as_str(key: str, value: object) -> str:
-    return str(value).strip()
+def declared(cls: type) -> list[Declared]:
+    """The fields of a pydantic settings class that were declared with ``setting``."""
+    out = []
+    for name, info in cls.model_fields.items():  # type: ignore[attr-defined]
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if "env" not in extra:
+            continue
+        bounds = {}
+        for item in info.metadata:
+            for bound in ("gt", "ge", "lt", "le"):
+                if getattr(item, bound, None) is not None:
+                    bounds[bound] = getattr(item, bound)
+        out.append(
+            Declared(
+                owner=cls.__name__,
+                name=name,
+                env=extra.get("env"),  # type: ignore[arg-type]
+                default=info.default,
+                annotation=info.annotation,
+                description=info.description or "",
+                secret=bool(extra.get("secret")),
+                check=extra.get("check"),  # type: ignore[arg-type]
+                bounds=bounds,
+            )
+        )
+    return out
 
 
-def _as_optional_str(key: str, value: object) -> str | None:
-    text = str(value).strip()
-    return text or None
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of ``T`` or ``T | None``."""
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, type(int | None)) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else annotation), True
+    return annotation, False
 
 
-# One table: the README's configuration table is generated from it (``eagle3 config --markdown``).
-ENV_SETTINGS: dict[str, EnvSetting] = {
-    s.key: s
-    for s in [
-        EnvSetting("EAGLE3_DATA_DIR", "./data", "Root of every asset's files (one folder per asset).", _as_str),
-        EnvSetting(
-            "EAGLE3_PROMPTS_PATH",
-            str(SAMPLE_PROMPTS_PATH),
-            "Prompt dataset, JSONL or Parquet (OpenAI `messages`, ShareGPT `conversations` or `prompt`).",
-            _as_str,
-        ),
-        EnvSetting("EAGLE3_PARTITION_SIZE", "1000", "Samples per partition.", parse_positive_int),
-        EnvSetting(
-            "EAGLE3_MAX_REJECT_SHARE",
-            "0.05",
-            "raw_prompts fails when more than this share of dataset rows is rejected.",
-            parse_fraction,
-        ),
-        EnvSetting(
-            "EAGLE3_VLLM_BASE_URL",
-            "http://127.0.0.1:8000/v1",
-            "OpenAI-compatible base URL(s) of the vLLM server(s); comma-separated for several.",
-            parse_base_urls,
-        ),
-        EnvSetting("EAGLE3_MODEL", "", "Served model name; empty: ask `/v1/models`.", _as_optional_str),
-        EnvSetting(
-            "EAGLE3_API_KEY", "", "API key for the server(s); never logged or stored.", _as_optional_str, secret=True
-        ),
-        EnvSetting("EAGLE3_CONCURRENCY", "128", "Requests in flight per partition run.", parse_positive_int),
-        EnvSetting("EAGLE3_MAX_TOKENS", "8000", "max_tokens per completion.", parse_positive_int),
-        EnvSetting("EAGLE3_REQUEST_TIMEOUT_S", "1800", "Read timeout per request, seconds.", parse_positive_float),
-        EnvSetting("EAGLE3_STREAM", "false", "Stream responses (idle timeout instead of one long read).", parse_bool),
-        EnvSetting(
-            "EAGLE3_TRANSPORT",
-            "aiohttp",
-            "HTTP client: `aiohttp` (the project's own, ~1 ms client CPU per request) or `openai` (stock `AsyncOpenAI` "
-            "over the SDK's aiohttp client: same requests and results, more CPU).",
-            _as_str,
-        ),
-        EnvSetting(
-            "EAGLE3_RETURN_TOKEN_IDS",
-            "true",
-            "Ask vLLM for prompt/completion token ids and train on exactly those (false for servers without them).",
-            parse_bool,
-        ),
-        EnvSetting("EAGLE3_TEMPERATURE", "0.6", "Sampling temperature for generation.", parse_non_negative_float),
-        EnvSetting(
-            "EAGLE3_EXTRA_BODY", "", 'Extra JSON fields for each request, e.g. `{"ignore_eos": true}`.', _as_str
-        ),
-        EnvSetting(
-            "EAGLE3_VERIFIER_PATH",
-            "",
-            "Local Hugging Face model folder of the verifier (hidden states, training). Empty: the demo's tiny model.",
-            _as_optional_str,
-        ),
-        EnvSetting(
-            "EAGLE3_LAYER_IDS",
-            "",
-            "Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`.",
-            parse_layer_ids,
-        ),
-    ]
-}
+def expectation(field: Declared) -> str:
+    """What a value of this field must be, in words ("must be a positive integer")."""
+    kind, optional = _base_type(field.annotation)
+    b = field.bounds
+    if kind is bool:
+        text = "must be true or false"
+    elif kind is int and (b.get("gt") == 0 or b.get("ge") == 1) and len(b) == 1:
+        text = "must be a positive integer"
+    elif kind is float and b.get("gt") == 0 and len(b) == 1:
+        text = "must be a positive number"
+    elif kind in (int, float) and "ge" in b and "le" in b:
+        text = f"must be a number between {b['ge']:g} and {b['le']:g}"
+    else:
+        noun = {int: "an integer", float: "a number", str: "text"}.get(kind, getattr(kind, "__name__", str(kind)))
+        limits = [f"{op} {b[k]:g}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if k in b]
+        text = f"must be {noun}" + (f" {' and '.join(limits)}" if limits else "")
+    return text + (" (or empty)" if optional else "")
 
 
-def read_env(key: str, environ: Mapping[str, str] | None = None) -> Any:
-    """The parsed value of one ``EAGLE3_*`` setting, from ``environ`` (default: ``os.environ``)."""
-    setting = ENV_SETTINGS[key]
+def validate_field(cls: type, value: Any, handler: Callable[[Any], Any], field_name: str) -> Any:
+    """Body of the settings classes' wrap validator: pydantic's checks, then ``check``, one message shape."""
+    field = next((f for f in declared(cls) if f.name == field_name), None)
+    if field is None:
+        return handler(value)
+    try:
+        result = handler(value)
+    except ValidationError:
+        raise fail(field.key, value, expectation(field)) from None
+    if field.check is not None and result is not None:
+        field.check(field.key, result)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+def _raw_for(field: Declared, raw: str) -> Any:
+    _kind, optional = _base_type(field.annotation)
+    return None if optional and raw.strip() == "" else raw
+
+
+def from_environ(cls: type, environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], list[ConfigError]]:
+    """(field values for the set and valid ``EAGLE3_*`` variables of ``cls``, errors for the invalid ones)."""
     env = os.environ if environ is None else environ
-    raw = env.get(key, setting.default)
-    return setting.parse(key, raw)
+    values: dict[str, Any] = {}
+    errors: list[ConfigError] = []
+    for field in declared(cls):
+        if field.env is None or field.secret or field.env not in env:
+            continue
+        try:
+            values[field.name] = getattr(cls(**{field.name: _raw_for(field, env[field.env])}), field.name)
+        except (ValidationError, ConfigError) as error:
+            errors.append(as_config_error(error))
+    return values, errors
 
 
-def settings_markdown() -> str:
-    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
-    for s in ENV_SETTINGS.values():
-        if s.key == "EAGLE3_PROMPTS_PATH":
-            default = "the shipped sample (`eagle3_assets/data/sample_prompts.jsonl`)"
-        else:
-            default = f"`{s.default}`" if s.default else "(empty)"
-        lines.append(f"| `{s.key}` | {default} | {s.description} |")
+def as_config_error(error: Exception) -> ConfigError:
+    """The ConfigError inside a pydantic ValidationError (raised by ``validate_field``), else its text."""
+    if isinstance(error, ConfigError):
+        return error
+    if isinstance(error, ValidationError):
+        for item in error.errors():
+            cause = (item.get("ctx") or {}).get("error")
+            if isinstance(cause, ConfigError):
+                return cause
+    return ConfigError(str(error))
+
+
+def check_environ(cls: type, environ: Mapping[str, str] | None = None) -> None:
+    """Raise the first bad ``EAGLE3_*`` value of ``cls``'s settings (the run-launch check)."""
+    _values, errors = from_environ(cls, environ)
+    if errors:
+        raise errors[0]
+
+
+def env_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The effective value of one environment setting: the variable's (validated) value, else the default."""
+    env = os.environ if environ is None else environ
+    for cls in classes:
+        for field in declared(cls):
+            if field.env == key:
+                values, errors = from_environ(cls, {key: env[key]} if key in env else {})
+                if errors:
+                    raise errors[0]
+                return values.get(field.name, field.default)
+    raise KeyError(f"{key} is not a declared setting")
+
+
+# ------------------------------------------------------------------------------------------ documentation
+
+
+def _default_text(field: Declared) -> str:
+    if field.secret:
+        return "(empty)"
+    if field.default == str(SAMPLE_PROMPTS_PATH):
+        return "the shipped sample (`eagle3_assets/data/sample_prompts.jsonl`)"
+    if field.default is None or field.default == "":
+        return "(empty)"
+    if isinstance(field.default, bool):
+        return f"`{str(field.default).lower()}`"
+    return f"`{field.default}`"
+
+
+def markdown_table(classes: Iterable[type]) -> str:
+    """The configuration table of every ``EAGLE3_*`` variable, generated from the declarations."""
+    lines = ["| Variable | Default | Allowed | Meaning | Field |", "|---|---|---|---|---|"]
+    secrets_listed = set()
+    for cls in classes:
+        for field in declared(cls):
+            if (field.env is None and not field.secret) or (field.secret and field.default in secrets_listed):
+                continue
+            if field.secret:
+                secrets_listed.add(field.default)
+            if field.secret:
+                key, allowed = str(field.default), "secret, read when a run starts; never logged or stored"
+            else:
+                allowed = getattr(field.check, "allowed", None) or expectation(field).removeprefix("must be ")
+                key = field.env
+            where = f"`{cls.__name__}.{field.name}`"
+            lines.append(f"| `{key}` | {_default_text(field)} | {allowed} | {field.description} | {where} |")
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Redactor:
-    """Replaces secret values in text before it reaches a log line, an error or metadata."""
-
-    secrets: tuple[str, ...] = field(default_factory=tuple)
-
-    def __call__(self, text: str) -> str:
-        for secret in self.secrets:
-            if secret:
-                text = text.replace(secret, "***")
-        return text

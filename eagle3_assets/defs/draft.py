@@ -1,11 +1,18 @@
 """``vocab_mapping`` and ``draft_model``: the draft vocabulary and the trained EAGLE-3 draft."""
 
 import json
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from eagle3_assets import settings
+from eagle3_assets.defs import metadata
 from eagle3_assets.defs.hidden_states import hidden_states
-from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.settings import setting
+
+if TYPE_CHECKING:
+    from eagle3_assets.training import TrainConfig
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
@@ -29,9 +36,9 @@ def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], st
     return [k for k in keys if k != val], val
 
 
-class VocabMappingConfig(dg.Config):
-    draft_vocab_size: int = 32000  # capped at the verifier's vocabulary
-    val_partition: str = ""  # held out of the frequencies too; empty: the last partition
+class VocabMappingRunConfig(SettingsConfig):
+    draft_vocab_size: int = setting(32000, description="Draft vocabulary size (capped at the verifier's).", gt=0)
+    val_partition: str = setting("", description="Held-out partition (not counted); empty: the last partition.")
 
 
 @dg.asset(
@@ -44,7 +51,7 @@ class VocabMappingConfig(dg.Config):
     ),
 )
 def vocab_mapping(
-    config: VocabMappingConfig, data_store: DataStoreResource, verifier: VerifierResource
+    config: VocabMappingRunConfig, data_store: DataStoreResource, verifier: VerifierResource
 ) -> dg.MaterializeResult:
     from eagle3_assets.training import build_vocab_mapping
 
@@ -64,23 +71,50 @@ def vocab_mapping(
             "coverage": dg.MetadataValue.float(round(result.coverage, 6)),
             "partitions": dg.MetadataValue.json(result.partitions),
             "held_out_partition": val_key,
+            metadata.ROW_COUNT: dg.MetadataValue.int(result.draft_vocab_size),  # rows of d2t: one per draft token
             "notes": dg.MetadataValue.json(result.notes),
             "path": dg.MetadataValue.path(str(result.d2t_path.parent)),
         }
     )
 
 
-class DraftTrainingConfig(dg.Config):
-    epochs: int = 10
-    lr: float = 1e-3
-    tokens_per_batch: int = 4096
-    ttt_steps: int = 3
-    num_layers: int = 1
-    val_partition: str = ""  # empty: the last hidden_states partition
-    max_steps_per_epoch: int = 0  # 0: no cap
-    max_val_batches: int = 0  # validation batches per evaluation; 0: the whole held-out partition
-    init: str = "token_copy"  # "token_copy" (the draft starts by carrying the new token forward) or "speculators"
-    num_threads: int = 0  # torch threads on CPU; 0: all cores but one
+class DraftModelRunConfig(SettingsConfig):
+    """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
+
+    epochs: int = setting(10, description="Training epochs.", gt=0)
+    lr: float = setting(1e-3, description="AdamW learning rate.", gt=0.0)
+    tokens_per_batch: int = setting(4096, description="Packed tokens per step.", gt=0)
+    ttt_steps: int = setting(3, description="Training-time-test steps (draft positions trained).", gt=0)
+    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
+    max_steps_per_epoch: int | None = setting(None, description="Cap on steps per epoch; empty: none.", gt=0)
+    max_val_batches: int | None = setting(
+        None, description="Validation batches per evaluation; empty: the whole held-out partition.", gt=0
+    )
+    init: str = setting(
+        "token_copy",
+        description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
+        check=settings.one_of("token_copy", "speculators"),
+    )
+    num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+
+
+def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
+    """The core's TrainConfig from the asset's run config and the verifier resource."""
+    from eagle3_assets.training import TrainConfig
+
+    return TrainConfig(
+        epochs=config.epochs,
+        lr=config.lr,
+        tokens_per_batch=config.tokens_per_batch,
+        ttt_steps=config.ttt_steps,
+        num_layers=config.num_layers,
+        device=verifier.device,
+        max_steps_per_epoch=config.max_steps_per_epoch,
+        max_val_batches=config.max_val_batches,
+        init=config.init,
+        num_threads=config.num_threads,
+    )
 
 
 @dg.asset(
@@ -95,12 +129,12 @@ class DraftTrainingConfig(dg.Config):
 )
 def draft_model(
     context: dg.AssetExecutionContext,
-    config: DraftTrainingConfig,
+    config: DraftModelRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
-    from eagle3_assets.training import TrainConfig, train_draft
+    from eagle3_assets.training import train_draft
 
     train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
     result = train_draft(
@@ -108,26 +142,23 @@ def draft_model(
         train_keys,
         val_key,
         verifier.resolved_path(),
-        TrainConfig(
-            epochs=config.epochs,
-            lr=config.lr,
-            tokens_per_batch=config.tokens_per_batch,
-            ttt_steps=config.ttt_steps,
-            num_layers=config.num_layers,
-            device=verifier.device,
-            max_steps_per_epoch=config.max_steps_per_epoch or None,
-            max_val_batches=config.max_val_batches or None,
-            init=config.init,
-            num_threads=config.num_threads or None,
-        ),
+        train_config(config, verifier),
         log=context.log.info,
     )
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
-    per_epoch = "\n".join(
-        f"| {i + 1} | {train:.4f} | {val:.4f} | {acc:.3f} |"
-        for i, (train, val, acc) in enumerate(
-            zip(result.train_loss, result.val_loss, result.val_acceptance_length, strict=False)
-        )
+    per_epoch = metadata.table(
+        (
+            {"epoch": i + 1, "train_loss": train, "val_loss": val, "val_acceptance_length": acc}
+            for i, (train, val, acc) in enumerate(
+                zip(result.train_loss, result.val_loss, result.val_acceptance_length, strict=False)
+            )
+        ),
+        [
+            ("epoch", "int", "Epoch (1-based)."),
+            ("train_loss", "float", "Mean training loss of the epoch."),
+            ("val_loss", "float", "Loss on the held-out partition after the epoch."),
+            ("val_acceptance_length", "float", "Acceptance length estimated from the per-step accuracies."),
+        ],
     )
     return dg.MaterializeResult(
         metadata={
@@ -148,9 +179,7 @@ def draft_model(
             "draft_vocab_size": result.draft_vocab_size,
             "notes": dg.MetadataValue.json(result.notes),
             "path": dg.MetadataValue.path(str(result.final_dir)),
-            "loss_per_epoch": dg.MetadataValue.md(
-                "| epoch | train loss | val loss | est. acceptance length |\n|---|---|---|---|\n" + per_epoch
-            ),
+            "loss_per_epoch": per_epoch,
             "loss_curve": dg.MetadataValue.md(
                 plots.lines_markdown(
                     {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"

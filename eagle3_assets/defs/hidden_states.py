@@ -1,22 +1,48 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
+from typing import TYPE_CHECKING
+
 import dagster as dg
 
+from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
+from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
-from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
+from eagle3_assets.settings import setting
+
+if TYPE_CHECKING:
+    from eagle3_assets.hidden_states import HiddenStatesConfig
 
 TOKEN_IDS = "hidden_states_token_ids_match"
 FINITE = "hidden_states_finite"
 ONE_PER_OK = "hidden_states_one_per_ok_response"
 
 
-class HiddenStatesAssetConfig(dg.Config):
-    max_seq_len: int = 2048
-    dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
-    backend: str = "hf"  # "hf" (transformers forward); see eagle3_assets/hidden_states/backends.py
-    batch_tokens: int = 8192  # padded tokens per forward pass
+class HiddenStatesRunConfig(SettingsConfig):
+    """The hidden_states asset's run config; ``hidden_states_config`` turns it into the core's config."""
+
+    max_seq_len: int = setting(2048, description="Tokens kept per sample (longer ones are cut).", gt=1)
+    dtype: str = setting(
+        "bfloat16", description="Storage dtype of the hidden states.", check=settings.one_of("bfloat16", "float32")
+    )
+    backend: str = setting("hf", description="Extraction backend (see eagle3_assets/hidden_states/backends.py).")
+    batch_tokens: int = setting(8192, description="Padded tokens per forward pass.", gt=0)
+
+
+def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> "HiddenStatesConfig":
+    """The core's HiddenStatesConfig from the asset's run config and the verifier resource."""
+    from eagle3_assets.hidden_states import HiddenStatesConfig
+
+    return HiddenStatesConfig(
+        layer_ids=verifier.layer_id_list(),
+        max_seq_len=config.max_seq_len,
+        dtype=config.dtype,
+        backend=config.backend,
+        device=verifier.device,
+        batch_tokens=config.batch_tokens,
+    )
 
 
 @dg.asset(
@@ -37,13 +63,12 @@ class HiddenStatesAssetConfig(dg.Config):
 )
 def hidden_states(
     context: dg.AssetExecutionContext,
-    config: HiddenStatesAssetConfig,
+    config: HiddenStatesRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
     from eagle3_assets import plots
     from eagle3_assets.hidden_states import (
-        HiddenStatesConfig,
         check_finite,
         check_one_per_ok_response,
         check_token_ids,
@@ -52,14 +77,7 @@ def hidden_states(
 
     layout = data_store.layout
     key = context.partition_key
-    stage_config = HiddenStatesConfig(
-        layer_ids=verifier.layer_id_list(),
-        max_seq_len=config.max_seq_len,
-        dtype=config.dtype,
-        backend=config.backend,
-        device=verifier.device,
-        batch_tokens=config.batch_tokens,
-    )
+    stage_config = hidden_states_config(config, verifier)
     result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
 
     import polars as pl
@@ -67,7 +85,8 @@ def hidden_states(
     lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
     yield dg.MaterializeResult(
         metadata={
-            "dg.row_count": result.samples,
+            # one row per stored sample in the partition's index (the tensors are in safetensors files)
+            **parquet_table(result.index_path, result.samples, partitioned=True),
             "stored": result.stored,
             "skipped_existing": result.skipped_existing,
             "failed_responses_excluded": result.failed_responses_excluded,

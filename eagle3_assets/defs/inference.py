@@ -2,13 +2,13 @@
 
 ``InferenceServerResource`` is the abstract base; ``RemoteVLLMResource`` talks to running vLLM
 deployment(s), ``LocalVLLMResource`` starts the embedded CPU vLLM on the tiny verifier for the run.
-The API key is never a config field (Dagster would show and store config): it is read from the
-environment variable named by ``api_key_env`` when a run starts.
+Fields are declared settings (``settings.setting``). The API key is never a config field (Dagster
+would show and store config): it is read from the environment variable named by ``api_key_env`` when a
+run starts, by generation and by ``draft_evaluation`` alike.
 """
 
 from __future__ import annotations
 
-import os
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -16,65 +16,91 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle3_assets import settings
+from eagle3_assets.defs.resources import API_KEY_SETTING, SettingsResource, api_key_from
+from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
     from eagle3_assets.generation import GenerationConfig
 
 
-class InferenceServerResource(dg.ConfigurableResource):
+class InferenceServerResource(SettingsResource):
     """Common generation settings; subclasses say which server(s) answer."""
 
-    model: str = ""  # served model name; empty: ask GET /v1/models
-    api_key_env: str = "EAGLE3_API_KEY"
-    concurrency: int = 128
-    max_tokens: int = 8000
-    request_timeout_s: float = 1800.0
-    stream: bool = False
-    idle_timeout_s: float = 300.0  # streaming only: no token for this long is a (retryable) failure
-    max_attempts: int = 6
-    temperature: float = 0.6
-    top_p: float = 0.95
-    seed: int | None = None
-    extra_body_json: str = ""  # extra request fields for vLLM, e.g. '{"ignore_eos": true}'
-    # "aiohttp" (the default: the project's own aiohttp client) or "openai" (stock openai.AsyncOpenAI: same
-    # requests and results, more client CPU; see benchmarks/generation_efficiency.py)
-    transport: str = "aiohttp"
-    # store vLLM's prompt/completion token ids so hidden states use the served tokens (vLLM >= 0.10.2)
-    return_token_ids: bool = True
+    model: str = setting("", env="EAGLE3_MODEL", description="Served model name; empty: ask `/v1/models`.")
+    api_key_env: str = API_KEY_SETTING
+    concurrency: int = setting(
+        128,
+        env="EAGLE3_CONCURRENCY",
+        description=(
+            "Requests in flight per partition run; for a server that reports its load (`/metrics`), the default "
+            "`EAGLE3_SERVER_TARGET`."
+        ),
+        gt=0,
+    )
+    server_target: str = setting(
+        "",
+        env="EAGLE3_SERVER_TARGET",
+        description=(
+            "Requests (running + waiting, every client together) to keep each server at, read from its `/metrics`: "
+            "one number, or one per base URL; empty: `EAGLE3_CONCURRENCY`. Set it to the server's `--max-num-seqs`."
+        ),
+        check=settings.check_server_targets,
+    )
+    max_tokens: int = setting(8000, env="EAGLE3_MAX_TOKENS", description="max_tokens per completion.", gt=0)
+    request_timeout_s: float = setting(
+        1800.0, env="EAGLE3_REQUEST_TIMEOUT_S", description="Read timeout per request, seconds.", gt=0
+    )
+    stream: bool = setting(
+        False, env="EAGLE3_STREAM", description="Stream responses (idle timeout instead of one long read)."
+    )
+    idle_timeout_s: float = setting(
+        300.0, description="Streaming only: no token for this long is a (retryable) failure, seconds.", gt=0
+    )
+    max_attempts: int = setting(6, description="Attempts per request before the sample is recorded failed.", gt=0)
+    temperature: float | None = setting(
+        None,
+        env="EAGLE3_TEMPERATURE",
+        description="Sampling temperature; empty: not sent, the server applies the model's generation_config.",
+        ge=0.0,
+    )
+    top_p: float | None = setting(None, description="Top-p; empty: the model's default.", gt=0.0, le=1.0)
+    seed: int | None = setting(None, description="Sampling seed per request; empty: none.")
+    extra_body_json: str = setting(
+        "",
+        env="EAGLE3_EXTRA_BODY",
+        description='Extra JSON fields for each request, e.g. `{"ignore_eos": true}`.',
+        check=settings.check_json_object,
+    )
+    # see benchmarks/generation_efficiency.py for the client CPU of each
+    transport: str = setting(
+        "aiohttp",
+        env="EAGLE3_TRANSPORT",
+        description=(
+            "HTTP client: `aiohttp` (the project's own, ~1 ms client CPU per request) or `openai` (stock "
+            "`AsyncOpenAI` over the SDK's aiohttp client: same requests and results, more CPU)."
+        ),
+        check=settings.one_of("openai", "aiohttp"),
+    )
+    return_token_ids: bool = setting(
+        True,
+        env="EAGLE3_RETURN_TOKEN_IDS",
+        description=(
+            "Ask vLLM for prompt/completion token ids and train on exactly those (false for servers without them)."
+        ),
+    )
 
     @abstractmethod
     def base_urls(self) -> list[str]:
         """The OpenAI-compatible base URL(s) to send requests to during this run."""
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) or None
-
-    def validate_settings(self) -> None:
-        settings.parse_positive_int("EAGLE3_CONCURRENCY", self.concurrency)
-        settings.parse_positive_int("EAGLE3_MAX_TOKENS", self.max_tokens)
-        settings.parse_positive_float("EAGLE3_REQUEST_TIMEOUT_S", self.request_timeout_s)
-        settings.parse_positive_float("idle_timeout_s", self.idle_timeout_s)
-        settings.parse_positive_int("max_attempts", self.max_attempts)
-        if self.transport not in ("openai", "aiohttp"):
-            raise settings.ConfigError(f"EAGLE3_TRANSPORT={self.transport!r}: must be 'aiohttp' or 'openai'")
-        if self.extra_body_json.strip():
-            import json
-
-            try:
-                body = json.loads(self.extra_body_json)
-            except ValueError as error:
-                raise settings.ConfigError(
-                    f"extra_body_json={self.extra_body_json!r}: invalid JSON ({error})"
-                ) from None
-            if not isinstance(body, dict):
-                raise settings.ConfigError(f"extra_body_json={self.extra_body_json!r}: must be a JSON object")
+        return api_key_from(self.api_key_env)
 
     def extra_body(self) -> dict[str, Any]:
-        import json
-
-        return json.loads(self.extra_body_json) if self.extra_body_json.strip() else {}
+        return settings.check_json_object("EAGLE3_EXTRA_BODY", self.extra_body_json)
 
     def generation_config(self) -> GenerationConfig:
+        """The core's GenerationConfig, built from these settings (the only place that maps them)."""
         from eagle3_assets.generation import GenerationConfig
 
         return GenerationConfig(
@@ -82,6 +108,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             model=self.model or None,
             api_key=self.api_key(),
             concurrency=self.concurrency,
+            server_targets=settings.check_server_targets("EAGLE3_SERVER_TARGET", self.server_target),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -99,31 +126,31 @@ class InferenceServerResource(dg.ConfigurableResource):
 class RemoteVLLMResource(InferenceServerResource):
     """Running vLLM server(s): ``base_url`` is one URL or a comma-separated list (EAGLE3_VLLM_BASE_URL)."""
 
-    base_url: str = "http://127.0.0.1:8000/v1"
-
-    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self.validate_settings()
-        settings.parse_base_urls("EAGLE3_VLLM_BASE_URL", self.base_url)
+    base_url: str = setting(
+        "http://127.0.0.1:8000/v1",
+        env="EAGLE3_VLLM_BASE_URL",
+        description="OpenAI-compatible base URL(s) of the vLLM server(s); comma-separated for several.",
+        check=settings.check_base_urls,
+    )
 
     def base_urls(self) -> list[str]:
-        return settings.parse_base_urls("EAGLE3_VLLM_BASE_URL", self.base_url)
+        return settings.check_base_urls("EAGLE3_VLLM_BASE_URL", self.base_url)
 
 
 class LocalVLLMResource(InferenceServerResource):
     """The embedded default: a CPU vLLM serving a local model folder, started for the run if not running."""
 
-    model_path: str = ""
-    port: int = 8000
-    log_dir: str = ""
-    startup_timeout_s: float = 600.0
+    model_path: str = setting("", description="Model folder to serve.", check=settings.check_not_blank)
+    port: int = setting(8000, description="Port on 127.0.0.1.", gt=0, lt=65536)
+    log_dir: str = setting("", description="Folder for the server's log; empty: a temporary one.")
+    startup_timeout_s: float = setting(600.0, description="Seconds to wait for the server to answer.", gt=0)
     _server: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self.validate_settings()
+        super().setup_for_execution(context)
+        settings.check_not_blank("model_path", self.model_path)
         from eagle3_assets.local.vllm_server import LocalVLLMServer
 
-        if not self.model_path:
-            raise settings.ConfigError("model_path='': LocalVLLMResource needs the model folder to serve")
         self._server = LocalVLLMServer(
             model_dir=self.model_path,
             port=self.port,
@@ -140,20 +167,3 @@ class LocalVLLMResource(InferenceServerResource):
 
     def base_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.port}/v1"]
-
-
-def inference_resource_from_env() -> InferenceServerResource:
-    """The remote resource with the environment's values (a bad value raises ConfigError naming it)."""
-    env = settings.read_env
-    return RemoteVLLMResource(
-        base_url=",".join(env("EAGLE3_VLLM_BASE_URL")),
-        model=env("EAGLE3_MODEL") or "",
-        concurrency=env("EAGLE3_CONCURRENCY"),
-        max_tokens=env("EAGLE3_MAX_TOKENS"),
-        request_timeout_s=env("EAGLE3_REQUEST_TIMEOUT_S"),
-        stream=env("EAGLE3_STREAM"),
-        temperature=env("EAGLE3_TEMPERATURE"),
-        extra_body_json=env("EAGLE3_EXTRA_BODY"),
-        transport=env("EAGLE3_TRANSPORT"),
-        return_token_ids=env("EAGLE3_RETURN_TOKEN_IDS"),
-    )

@@ -1,29 +1,76 @@
 """Dagster resources: typed configuration for the data store, the prompt dataset and the verifier.
 
-Defaults come from ``EAGLE3_*`` environment variables when the definitions load (see ``settings.py``)
-and every field can be overridden per run in the launchpad. Values are validated when a run starts, so
-a wrong value fails that run with a message naming the key, before any expensive work.
+Every field is declared once with ``settings.setting`` (default, bounds, description, ``EAGLE3_*``
+variable); ``settings.py`` explains how a new setting is added. When the definitions load, the valid
+environment values become the resources' values (the launchpad shows them and can override them per
+run). A bad value never stops the code location from loading: it is left out, and the run that uses the
+resource fails when it starts, with the message naming the variable (``SettingsResource``).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
+from pydantic import ValidationError, ValidationInfo, field_validator
 
 from eagle3_assets import settings
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.settings import ConfigError, setting
 from eagle3_assets.storage import DataLayout
 
 
-class DataStoreResource(dg.ConfigurableResource):
-    """Where every asset's files live (``EAGLE3_DATA_DIR``). One folder per asset, one file per partition."""
+def _name_the_key(cls: type, value: Any, handler: Any, info: ValidationInfo) -> Any:
+    return settings.validate_field(cls, value, handler, str(info.field_name))
 
-    data_dir: str = "./data"
+
+class SettingsResource(dg.ConfigurableResource):
+    """A resource whose fields are declared settings: bad values name their key, env values checked at launch."""
+
+    _validate = field_validator("*", mode="wrap")(classmethod(_name_the_key))
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:  # a bad value: ConfigError("KEY=value: what it must be")
+            raise settings.as_config_error(error) from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+        """The resource with the environment's valid values (invalid ones are reported when a run starts)."""
+        values, _errors = settings.from_environ(cls, environ)
+        return cls(**{**values, **overrides})
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        if not str(self.data_dir).strip():
-            raise ConfigError("EAGLE3_DATA_DIR='': must be a directory path")
+        settings.check_environ(type(self))
+
+
+class SettingsConfig(dg.Config):
+    """An asset's run config whose fields are declared settings (same error shape as the resources)."""
+
+    _validate = field_validator("*", mode="wrap")(classmethod(_name_the_key))
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise settings.as_config_error(error) from None
+
+
+class DataStoreResource(SettingsResource):
+    """Where every asset's files live. One folder per asset, one file per partition."""
+
+    data_dir: str = setting(
+        "./data",
+        env="EAGLE3_DATA_DIR",
+        description="Root of every asset's files (one folder per asset).",
+        check=settings.check_not_blank,
+    )
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        super().setup_for_execution(context)
         root = Path(self.data_dir).expanduser()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"EAGLE3_DATA_DIR={self.data_dir!r}: exists and is not a directory")
@@ -33,31 +80,50 @@ class DataStoreResource(dg.ConfigurableResource):
         return DataLayout.at(self.data_dir)
 
 
-class PromptDatasetResource(dg.ConfigurableResource):
+class PromptDatasetResource(SettingsResource):
     """The prompt dataset and how it is cut into partitions."""
 
-    path: str = str(settings.SAMPLE_PROMPTS_PATH)
-    partition_size: int = 1000
-    max_reject_share: float = 0.05
+    path: str = setting(
+        str(settings.SAMPLE_PROMPTS_PATH),
+        env="EAGLE3_PROMPTS_PATH",
+        description="Prompt dataset, JSONL or Parquet (OpenAI `messages`, ShareGPT `conversations` or `prompt`).",
+    )
+    partition_size: int = setting(1000, env="EAGLE3_PARTITION_SIZE", description="Samples per partition.", gt=0)
+    max_reject_share: float = setting(
+        0.05,
+        env="EAGLE3_MAX_REJECT_SHARE",
+        description="raw_prompts fails when more than this share of dataset rows is rejected.",
+        ge=0.0,
+        le=1.0,
+    )
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        settings.parse_positive_int("EAGLE3_PARTITION_SIZE", self.partition_size)
-        settings.parse_fraction("EAGLE3_MAX_REJECT_SHARE", self.max_reject_share)
+        super().setup_for_execution(context)
         if not Path(self.path).expanduser().is_file():
             raise ConfigError(f"EAGLE3_PROMPTS_PATH={self.path!r}: no such file")
 
 
-class VerifierResource(dg.ConfigurableResource):
+class VerifierResource(SettingsResource):
     """The verifier (target) model as a local Hugging Face folder, for hidden states and training."""
 
-    path: str = ""
-    device: str = "auto"  # "auto" picks CUDA when present, else CPU
-    # Aux layers whose hidden states EAGLE-3 trains on; empty: [2, N//2, N-3], checked against the model
-    layer_ids: str = ""
+    path: str = setting(
+        "",
+        env="EAGLE3_VERIFIER_PATH",
+        description=(
+            "Local Hugging Face model folder of the verifier (hidden states, training). Empty: the demo's tiny model."
+        ),
+    )
+    device: str = setting("auto", description="Torch device: `auto` picks CUDA when present, else CPU.")
+    layer_ids: str = setting(
+        "",
+        env="EAGLE3_LAYER_IDS",
+        description="Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`.",
+        check=settings.parse_layer_ids,
+    )
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        super().setup_for_execution(context)
         self.resolved_path()
-        self.layer_id_list()
 
     def layer_id_list(self) -> list[int] | None:
         return settings.parse_layer_ids("EAGLE3_LAYER_IDS", self.layer_ids)
@@ -74,21 +140,81 @@ class VerifierResource(dg.ConfigurableResource):
         return path
 
 
-def default_resources() -> dict[str, object]:
-    """Resources with defaults taken from the environment at definition load."""
-    from eagle3_assets.defs.inference import inference_resource_from_env
+# The one declaration of the API key setting: generation (inference_server) and draft_evaluation
+# (evaluation_servers) read the same variable.
+API_KEY_SETTING = setting(
+    "EAGLE3_API_KEY",
+    secret=True,
+    description="API key for the server(s) (generation and evaluation); never logged or stored.",
+)
 
-    env = settings.read_env
+
+def api_key_from(variable: str) -> str | None:
+    """The secret in the named environment variable, read when a run needs it (never config)."""
+    return os.environ.get(variable) or None
+
+
+class EvaluationServersResource(SettingsResource):
+    """vLLM servers already running for draft_evaluation (e.g. on a GPU cluster); empty: it starts its own.
+
+    A draft server must return per-request speculative metrics (vLLM ``--per-request-spec-decode-metrics
+    summary``): acceptance is counted from the evaluation's own responses, never from server-wide counters.
+    """
+
+    plain_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_PLAIN_URL",
+        description="draft_evaluation: running server of the plain verifier (`http://host:port/v1`); empty: start one.",
+        check=settings.check_optional_base_urls,
+    )
+    draft_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_DRAFT_URL",
+        description=(
+            "draft_evaluation: running server of the verifier with the trained draft, started with "
+            "`--per-request-spec-decode-metrics summary`; empty: start one."
+        ),
+        check=settings.check_optional_base_urls,
+    )
+    served_model_name: str = setting(
+        "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
+    )
+    api_key_env: str = API_KEY_SETTING
+
+    def api_key(self) -> str | None:
+        return api_key_from(self.api_key_env)
+
+
+def settings_resources() -> dict[str, type[SettingsResource]]:
+    """Resource key -> class, for every resource built from the environment (the order of the README table)."""
+    from eagle3_assets.defs.inference import RemoteVLLMResource
+
     return {
-        "data_store": DataStoreResource(data_dir=env("EAGLE3_DATA_DIR")),
-        "prompt_dataset": PromptDatasetResource(
-            path=env("EAGLE3_PROMPTS_PATH"),
-            partition_size=env("EAGLE3_PARTITION_SIZE"),
-            max_reject_share=env("EAGLE3_MAX_REJECT_SHARE"),
-        ),
-        "verifier": VerifierResource(
-            path=env("EAGLE3_VERIFIER_PATH") or "",
-            layer_ids=",".join(map(str, env("EAGLE3_LAYER_IDS") or [])),
-        ),
-        "inference_server": inference_resource_from_env(),
+        "data_store": DataStoreResource,
+        "prompt_dataset": PromptDatasetResource,
+        "inference_server": RemoteVLLMResource,
+        "verifier": VerifierResource,
+        "evaluation_servers": EvaluationServersResource,
     }
+
+
+def settings_classes() -> list[type]:
+    """Every class that declares ``EAGLE3_*`` settings: the resources, then the code location's own."""
+    from eagle3_assets.defs.automation import CodeLocationSettings
+
+    return [*settings_resources().values(), CodeLocationSettings]
+
+
+def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """Resources with the environment's valid values; never raises for a bad value (the run reports it)."""
+    return {key: cls.from_env(environ) for key, cls in settings_resources().items()}
+
+
+def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The effective, validated value of one ``EAGLE3_*`` setting (raises ``ConfigError`` naming a bad one)."""
+    return settings.env_value(settings_classes(), key, environ)
+
+
+def settings_markdown() -> str:
+    """The README's configuration table (``eagle3 config --markdown``)."""
+    return settings.markdown_table(settings_classes())

@@ -5,16 +5,20 @@ import dagster as dg
 from eagle3_assets import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
+from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.resources import DataStoreResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
+from eagle3_assets.settings import setting
 
 COMPLETENESS = "responses_complete"
 ERROR_RATE = "responses_error_rate"
 
 
-class ResponsesConfig(dg.Config):
-    max_error_rate: float = 0.01  # the error-rate check fails above this share of failed samples
+class ResponsesRunConfig(SettingsConfig):
+    max_error_rate: float = setting(
+        0.01, description="The error-rate check fails above this share of failed samples.", ge=0.0, le=1.0
+    )
 
 
 @dg.asset(
@@ -36,7 +40,7 @@ class ResponsesConfig(dg.Config):
 )
 def synthetic_responses(
     context: dg.AssetExecutionContext,
-    config: ResponsesConfig,
+    config: ResponsesRunConfig,
     data_store: DataStoreResource,
     inference_server: InferenceServerResource,
 ):
@@ -56,7 +60,7 @@ def synthetic_responses(
     completion_lengths = lengths["completion_tokens"].drop_nulls().to_list()
     yield dg.MaterializeResult(
         metadata={
-            "dg.row_count": result.total,
+            **parquet_table(result.path, result.total, partitioned=True),
             "ok": result.ok,
             "failed": result.failed,
             "truncated": result.truncated,
@@ -72,8 +76,8 @@ def synthetic_responses(
             "wall_s": round(result.wall_s, 1),
             "model": result.model or "",
             "error_rate": result.error_rate,
-            "top_errors": dg.MetadataValue.json(result.top_errors),
-            "retry_reasons": dg.MetadataValue.json(result.retry_reasons),
+            "top_errors": counts_table(result.top_errors, "error"),
+            "retry_reasons": counts_table(result.retry_reasons, "reason"),
             "path": dg.MetadataValue.path(str(result.path)),
             "completion_length_histogram": dg.MetadataValue.md(
                 plots.histogram_markdown(completion_lengths, f"Completion length, partition {key}", "tokens")

@@ -6,9 +6,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.settings import check_base_urls
+from eagle3_assets.settings import fail as _fail
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
 _RESERVED = frozenset(
@@ -34,17 +35,20 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def _fail(name: str, value: object, why: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r}: {why}")
-
-
 @dataclass(frozen=True)
 class GenerationConfig:
     base_urls: tuple[str, ...]
     model: str | None = None  # None: ask GET /v1/models once
     api_key: str | None = field(default=None, repr=False)  # never logged, never written
-    concurrency: int = 128  # requests in flight for the whole run
+    # Requests in flight for the whole run when no server reports its load (/metrics); otherwise each server's
+    # default target (see server_targets and generation/capacity.py).
+    concurrency: int = 128
     per_endpoint_cap: int | None = None  # in flight per base URL; None = concurrency
+    # Per server: requests (running + waiting, every client together) to keep it at. One value for every base
+    # URL or one per URL, in order; empty = per_endpoint_cap or concurrency. A server without /metrics uses it
+    # as its fixed cap.
+    server_targets: tuple[int, ...] = ()
+    capacity_poll_s: float = 0.25  # how often each server's /metrics is read
     max_tokens: int = 8000
     # None: not sent, so vLLM applies the model's own generation_config defaults
     temperature: float | None = None
@@ -74,22 +78,20 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
-        urls = tuple(u.strip().rstrip("/") for u in urls)
-        object.__setattr__(self, "base_urls", urls)
-        if not urls:
-            raise _fail("base_urls", list(urls), "needs at least one http(s) URL")
-        for url in urls:
-            parsed = urlparse(url)
-            if parsed.scheme not in {"http", "https"} or not parsed.netloc:
-                raise _fail("base_urls", url, "is not an http(s) URL like http://127.0.0.1:8000/v1")
-        if len(set(urls)) != len(urls):
-            raise _fail("base_urls", list(urls), "lists the same URL twice")
+        object.__setattr__(self, "base_urls", tuple(check_base_urls("base_urls", urls)))
         if self.model is not None and not str(self.model).strip():
             raise _fail("model", self.model, "must be a model name or None (ask /v1/models)")
         for name in ("concurrency", "max_tokens", "max_attempts", "bench_after_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise _fail(name, value, "must be a positive integer")
+        targets = (self.server_targets,) if isinstance(self.server_targets, int) else tuple(self.server_targets)
+        object.__setattr__(self, "server_targets", targets)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in targets):
+            raise _fail("server_targets", list(targets), "must be positive integers")
+        if len(targets) not in (0, 1, len(urls)):
+            why = f"needs one value for every server or one per base URL ({len(urls)})"
+            raise _fail("server_targets", list(targets), why)
         cap = self.per_endpoint_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise _fail("per_endpoint_cap", cap, "must be a positive integer or None")
@@ -101,6 +103,7 @@ class GenerationConfig:
             "bench_s",
             "fsync_interval_s",
             "progress_interval_s",
+            "capacity_poll_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -115,7 +118,7 @@ class GenerationConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise _fail("seed", self.seed, "must be an integer or None")
         if self.transport not in ("openai", "aiohttp"):
-            raise _fail("transport", self.transport, "must be 'aiohttp' or 'openai'")
+            raise _fail("transport", self.transport, "must be 'openai' or 'aiohttp'")
         clash = _RESERVED & set(self.extra_sampling)
         if clash:
             raise _fail("extra_sampling", sorted(clash), "sets fields the engine owns; use the dedicated settings")
@@ -123,7 +126,16 @@ class GenerationConfig:
 
     @property
     def endpoint_cap(self) -> int:
-        return self.per_endpoint_cap or self.concurrency
+        """The most requests one base URL may ever have in flight (sizes each connection pool)."""
+        return max((self.per_endpoint_cap or self.concurrency, *self.server_targets))
+
+    def server_target(self, url: str) -> int:
+        """The target of one server: its configured value, else per_endpoint_cap or concurrency."""
+        if not self.server_targets:
+            return self.per_endpoint_cap or self.concurrency
+        if len(self.server_targets) == 1:
+            return self.server_targets[0]
+        return self.server_targets[self.base_urls.index(url.strip().rstrip("/"))]
 
     def sampling_params(self) -> dict[str, Any]:
         """The sampling parameters sent with every request (stored with each row as JSON)."""

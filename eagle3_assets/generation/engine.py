@@ -15,8 +15,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from eagle3_assets.generation.capacity import CapacityMonitor, PartitionLine
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
 from eagle3_assets.generation.errors import AUTH_STATUS, AuthRejected, RequestFailed, auth_failure_text, classify
@@ -90,6 +92,7 @@ class Engine:
         already_done: int = 0,
         rng: random.Random | None = None,
         unhealthy: Mapping[str, str] | None = None,
+        line_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -116,20 +119,32 @@ class Engine:
         self._in_flight = 0
         self._waiting = 0
         self._wake = asyncio.Event()
+        # Sets each endpoint's cap from the server's own load (shared with other partitions and clients);
+        # line_dir (shared by this pipeline's runs) orders its partitions by key.
+        line = PartitionLine(line_dir, partition_key) if line_dir is not None else None
+        self.capacity = CapacityMonitor(
+            config, self.pool.endpoints, self._wake.set, log, line=line, has_samples=self._has_samples
+        )
         self._fatal: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
 
     # ------------------------------------------------------------------------------------------ run
 
+    def _has_samples(self) -> bool:
+        """Samples not yet sent (or backing off to be sent again): this engine still wants room."""
+        return bool(self._ready or self._waiting)
+
     async def run(self, prompts: Sequence[PromptToGenerate]) -> EngineStats:
         self.stats = EngineStats(total=len(prompts))
         self._ready = deque(_Item(p, normalize_messages(p.messages)) for p in prompts)
         progress = asyncio.get_running_loop().create_task(self._progress_loop())
         try:
+            await self.capacity.start()
             await self._dispatch()
             self.stats.ended = time.monotonic()
         finally:
+            await self.capacity.close()
             progress.cancel()
             for timer in self._timers:
                 timer.cancel()
@@ -144,11 +159,12 @@ class Engine:
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
-        limit = self.config.concurrency
         while self._ready or self._in_flight or self._waiting:
             if self._fatal is not None:
                 raise self._fatal
             self._wake.clear()
+            # Re-read each round: the capacity monitor moves the caps as the servers' load changes.
+            limit = self.capacity.run_limit()
             while self._ready and self._in_flight < limit:
                 endpoint = self.pool.acquire()
                 if endpoint is None:
@@ -181,9 +197,9 @@ class Engine:
             except asyncio.CancelledError:
                 self.pool.release(endpoint, server_failure=False)
                 raise
-            except Exception as error:  # RequestFailed, or a bug, not a server failure: classified either way
+            except Exception as error:  # RequestFailed, or a bug (not the server's failure): classified either way
                 failure = classify(error)
-                self.pool.release(endpoint, server_failure=failure.retryable)
+                self.pool.release(endpoint, server_failure=isinstance(error, RequestFailed) and failure.retryable)
                 self._after_failure(item, endpoint, failure, time.monotonic() - started)
             else:
                 self.pool.release(endpoint, server_failure=False)

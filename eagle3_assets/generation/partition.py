@@ -98,6 +98,7 @@ async def _generate(
     journal: Journal,
     log: Log,
     already_done: int,
+    line_dir: Path | None = None,
 ) -> tuple[EngineStats, str]:
     transports = make_transports(config)
     try:
@@ -112,6 +113,7 @@ async def _generate(
             progress_prefix=f"synthetic_responses {partition_key} ",
             already_done=already_done,
             unhealthy=unhealthy,
+            line_dir=line_dir,
         )
         syncer = asyncio.get_running_loop().create_task(_sync_loop(journal, config.fsync_interval_s))
         try:
@@ -217,7 +219,9 @@ def generate_partition(
             )
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             try:
-                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept)))
+                # the partitions' line at the servers (key order among this pipeline's runs; generation/capacity.py)
+                line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
+                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept), line_dir))
             finally:
                 journal.close()
                 if journal.appended == 0 and journal_path.stat().st_size == 0:

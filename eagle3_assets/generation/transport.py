@@ -10,7 +10,7 @@
   and an httpx2 request and response each time); it is there for a setup that needs the SDK's HTTP stack.
 
 Both only use their libraries' public APIs, send the same request and classify failures through
-:mod:`eagle3_assets.generation.errors`; ``tests/test_generation_transport.py`` pins them to identical results.
+:mod:`eagle3_assets.generation.errors`; ``tests/unit/test_generation_transport.py`` pins them to identical results.
 """
 
 from __future__ import annotations

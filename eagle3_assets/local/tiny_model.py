@@ -128,11 +128,6 @@ class TinyModelSpec:
     logit_scale: float = 4.0
 
 
-# Residual channels reserved for the hand-set mechanism, counted from the end of the hidden vector.
-_CH_ONE, _CH_THINK_END, _CH_SEEN, _CH_TRIG_THINK, _CH_TRIG_EOS = 1, 2, 3, 4, 5
-_NUM_RESERVED = 5
-
-
 def default_corpus() -> Iterator[str]:
     """Tokenizer training text: the shipped sample prompts (if present), then a fixed set of stdlib sources."""
     from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
@@ -250,125 +245,6 @@ def _model_config(spec: TinyModelSpec, ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def build_weights(
-    spec: TinyModelSpec,
-    ids: dict[str, int],
-    seed: int,
-    trigger_candidates: Sequence[int] | None = None,
-    suppressed: Sequence[int] = (),
-) -> dict[str, Any]:
-    """All tensors of the LlamaForCausalLM state dict as float32 numpy arrays (HF names).
-
-    ``trigger_candidates``: token ids allowed to trigger </think> / eos (default: every ordinary token).
-    ``suppressed``: ordinary token ids the model must never generate (strongly negative logit).
-    """
-    import numpy as np
-
-    rng = np.random.Generator(np.random.PCG64(seed))
-    h, v, hd, nh = spec.hidden_size, spec.vocab_size, spec.head_dim, spec.num_heads
-    if nh * hd != h:
-        raise ValueError(f"num_heads*head_dim={nh * hd} must equal hidden_size={h}")
-    if h <= 4 * _NUM_RESERVED:
-        raise ValueError(f"hidden_size={h} too small")
-    one, think_end, seen, trig_think, trig_eos = (
-        h - c for c in (_CH_ONE, _CH_THINK_END, _CH_SEEN, _CH_TRIG_THINK, _CH_TRIG_EOS)
-    )
-    reserved = [one, think_end, seen, trig_think, trig_eos]
-
-    def normal(shape: tuple[int, ...], std: float) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-
-    special_ids = [ids[t] for t in (*SPECIAL_TOKENS, *THINK_TOKENS)]
-    ordinary = np.setdiff1d(np.arange(v), np.array(special_ids))
-
-    embed = normal((v, h), spec.embed_std)
-    embed[:, reserved] = 0.0
-    embed[:, one] = 1.0
-    embed[ids[THINK_END_TOKEN], think_end] = 1.0
-    candidates = ordinary if trigger_candidates is None else np.array(sorted(trigger_candidates), dtype=np.int64)
-    if len(candidates) < 4:  # a tiny corpus has few merged tokens: any ordinary token may trigger then
-        candidates = ordinary
-    perm = rng.permutation(candidates)
-    # Fractions are of the whole vocabulary; with few candidates, at most a third of them each.
-    n_think = max(1, min(round(spec.think_trigger_fraction * len(ordinary)), len(perm) // 3))
-    n_eos = max(1, min(round(spec.eos_trigger_fraction * len(ordinary)), len(perm) // 3))
-    embed[perm[:n_think], trig_think] = 1.0
-    embed[perm[n_think : n_think + n_eos], trig_eos] = 1.0
-
-    tensors: dict[str, Any] = {"model.embed_tokens.weight": embed}
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        q = normal((nh * hd, h), spec.layer_std)
-        k = normal((nh * hd, h), spec.layer_std)
-        vv = normal((nh * hd, h), spec.layer_std)
-        o = normal((h, nh * hd), spec.layer_std)
-        gate = normal((spec.intermediate_size, h), spec.layer_std)
-        up = normal((spec.intermediate_size, h), spec.layer_std)
-        down = normal((h, spec.intermediate_size), spec.layer_std)
-        # Only the dedicated head writes to the reserved channels.
-        o[reserved, :] = 0.0
-        down[reserved, :] = 0.0
-        if layer == 0:
-            # Head 0: "has </think> appeared?"  The lowest-frequency RoPE pair is (hd/2 - 1, hd - 1); with
-            # rope_theta 5e5 it rotates by < 0.01 rad over 2048 positions, so the score is position-free.
-            head = slice(0, hd)
-            q[head, :] = 0.0
-            k[head, :] = 0.0
-            vv[head, :] = 0.0
-            o[:, head] = 0.0
-            # RMSNorm scales a token's row by sqrt(h)/|row|; compute the normalized values to set exact gains.
-            e_one = _normed(embed[ordinary], one).mean()
-            e_think = _normed(embed[[ids[THINK_END_TOKEN]]], think_end)[0]
-            score = 40.0  # logit of attending to a </think> position; others score 0
-            q[hd // 2 - 1, one] = np.float32(np.sqrt(score * np.sqrt(hd)) / e_one)
-            k[hd // 2 - 1, think_end] = np.float32(np.sqrt(score * np.sqrt(hd)) / e_think)
-            vv[0, think_end] = np.float32(1.0 / e_think)
-            o[seen, 0] = 1.0  # SEEN becomes exactly 1.0 (like ONE) once </think> is in context
-        tensors[p + "self_attn.q_proj.weight"] = q
-        tensors[p + "self_attn.k_proj.weight"] = k
-        tensors[p + "self_attn.v_proj.weight"] = vv
-        tensors[p + "self_attn.o_proj.weight"] = o
-        tensors[p + "mlp.gate_proj.weight"] = gate
-        tensors[p + "mlp.up_proj.weight"] = up
-        tensors[p + "mlp.down_proj.weight"] = down
-        tensors[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float32)
-        tensors[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
-    tensors["model.norm.weight"] = np.ones(h, dtype=np.float32)
-
-    lm_head = normal((v, h), spec.lm_head_std)
-    lm_head[:, reserved] = 0.0
-    # No immediate repetition: push each token's output row away from its own embedding, so "x x x x" loops (a
-    # random next-token map has fixed points) cannot start; the logit of t drops by ~5 std when t is current.
-    free = np.ones(h, dtype=bool)
-    free[reserved] = False
-    own = embed[:, free] / np.linalg.norm(embed[:, free], axis=1, keepdims=True)
-    lm_head[:, free] -= np.float32(5.0 * spec.lm_head_std) * own.astype(np.float32)
-    # Final RMSNorm divides by the residual's rms (~ a few units); gains are in "raw residual units" and large
-    # enough to beat the max of ~4k random logits (std ~ lm_head_std * sqrt(h)).
-    gain = np.float32(12.0 * spec.lm_head_std * np.sqrt(h))
-    lm_head[special_ids, :] = 0.0
-    for token in (BOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, THINK_START_TOKEN):
-        lm_head[ids[token], one] = -gain
-    if len(suppressed):
-        rows = np.array(sorted(suppressed), dtype=np.int64)
-        lm_head[rows, :] = 0.0
-        lm_head[rows, one] = -gain
-    lm_head[ids[THINK_END_TOKEN], trig_think] = gain
-    lm_head[ids[THINK_END_TOKEN], seen] = -2 * gain
-    lm_head[ids[EOS_TOKEN], trig_eos] = gain
-    lm_head[ids[EOS_TOKEN], seen] = 2 * gain
-    lm_head[ids[EOS_TOKEN], one] = -2 * gain
-    tensors["lm_head.weight"] = (lm_head * np.float32(spec.logit_scale)).astype(np.float32)
-    return tensors
-
-
-def _normed(rows: Any, channel: int) -> Any:
-    import numpy as np
-
-    rms = np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=1))
-    return rows[:, channel] / rms
-
-
 def build_tiny_model(
     out_dir: Path,
     seed: int = 0,
@@ -426,6 +302,9 @@ def build_tiny_model(
     # Ids past the trained vocabulary (a small corpus gives fewer merges) have no text: never generate them.
     suppressed = sorted(set(_unprintable_tokens(tokenizer)) | set(range(tokenizer.get_vocab_size(), spec.vocab_size)))
     candidates = sorted(set(_trigger_candidates(tokenizer)) - set(suppressed))
+    # imported here: tiny_weights builds on this module's spec and token names
+    from eagle3_assets.local.tiny_weights import build_weights
+
     weights = build_weights(spec, ids, seed, trigger_candidates=candidates, suppressed=suppressed)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes 0600; keep the folder uniformly readable
@@ -482,14 +361,18 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3 tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into (created)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--hidden-size", type=int, default=256, help="hidden size (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = build_tiny_model(
         args.out_dir,
         seed=args.seed,

@@ -633,8 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--host", default=DEFAULT_HOST)
-        p.add_argument("--port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+        p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
         p.add_argument("--log-dir", type=Path, default=None, help=f"default ${ENV_LOG_DIR} or $TMPDIR/eagle3-vllm")
 
     def server_opts(p: argparse.ArgumentParser) -> None:
@@ -642,12 +642,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", required=True, type=Path, help="model directory (e.g. from `eagle3 tiny-model`)")
         p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
         p.add_argument("--python", default=None, help=f"vLLM interpreter (default ${ENV_PYTHON} or .venv-vllm)")
-        p.add_argument("--max-model-len", type=int, default=1024)
-        p.add_argument("--kv-cache-gib", type=int, default=1)
+        p.add_argument("--max-model-len", type=int, default=1024, help="context length (default: %(default)s)")
+        p.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache, GiB (default: %(default)s)")
         p.add_argument("--reasoning-parser", default="deepseek_r1", help="'none' to disable")
         p.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile (slower start-up)")
         p.add_argument("--speculative-config", default=None, help="JSON passed to vLLM --speculative-config")
-        p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+        p.add_argument(
+            "--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, help="seconds (default: %(default)s)"
+        )
         p.add_argument("--reuse", action="store_true", help="reuse a healthy server already on the port")
         p.add_argument(
             "--extra-arg", action="append", help="extra vLLM argument, repeatable (--extra-arg=--max-num-seqs=64)"

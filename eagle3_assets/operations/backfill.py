@@ -35,7 +35,8 @@ from eagle3_assets.operations.common import (
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 DEFAULT_ASSET = "synthetic_responses"
 LAUNCHED_BY_TAG = "eagle3/launched_by"
@@ -106,10 +107,8 @@ def launch(
 ) -> str:
     """Store the backfill for the daemon; returns its id (Overview > Backfills > id in the UI)."""
     import dagster as dg
-    from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
-    from dagster._core.execution.backfill import PartitionBackfill
-    from dagster._core.utils import make_new_backfill_id
-    from dagster._time import get_current_timestamp
+
+    from eagle3_assets.operations.dagster_internals import store_asset_backfill
 
     if plan.empty:
         raise ValueError("nothing to backfill")
@@ -121,31 +120,20 @@ def launch(
         for name, keys in plan.targets.items()
         if keys
     }
-    backfill = PartitionBackfill.from_asset_graph_subset(
-        backfill_id=make_new_backfill_id(),
-        backfill_timestamp=get_current_timestamp(),
+    return store_asset_backfill(
+        instance,
+        subsets,
         tags={LAUNCHED_BY_TAG: "eagle3 backfill --missing"},
-        dynamic_partitions_store=instance,
-        asset_graph_subset=AssetGraphSubset(partitions_subsets_by_asset_key=subsets),
         title=title or f"missing {plan.asset} ({len(plan.targets[plan.asset])} partitions)",
         description=plan.describe(),
-        run_config=None,
     )
-    instance.add_backfill(backfill)
-    return backfill.backfill_id
 
 
 def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, list[str]]:
     """Partition keys per asset that a stored backfill targets (what the UI lists for it)."""
-    backfill = instance.get_backfill(backfill_id)
-    if backfill is None:
-        raise KeyError(f"no backfill {backfill_id}")
-    data = backfill.asset_backfill_data
-    assert data is not None, "not an asset backfill"
-    return {
-        key.to_user_string(): sorted(subset.get_partition_keys())
-        for key, subset in data.target_subset.partitions_subsets_by_asset_key.items()
-    }
+    from eagle3_assets.operations.dagster_internals import backfill_target_keys
+
+    return backfill_target_keys(instance, backfill_id)
 
 
 def daemon_running(instance: dg.DagsterInstance, within_s: float = 120.0) -> bool:

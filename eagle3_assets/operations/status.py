@@ -3,7 +3,7 @@
 ``where`` is ``both`` (file and materialization agree), ``disk only`` (a file Dagster does not count as
 materialized: run ``eagle3 sync``), ``dagster only`` (a recorded materialization whose file is gone: the next
 missing-only backfill will NOT regenerate it; wipe the partition in the UI or materialize it again) or
-``neither``. ``rows`` compares the file's footer with the ``dg.row_count`` of the latest materialization.
+``neither``. ``rows`` compares the file's footer with the ``dagster/partition_row_count`` of the latest materialization.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout, footer_row_cou
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 BOTH, DISK_ONLY, DAGSTER_ONLY, NEITHER = "both", "disk only", "dagster only", "neither"
 
@@ -35,7 +36,7 @@ class PartitionRow:
     where: str
     dagster_status: str  # materialized / failed / in_progress / missing / unregistered
     disk_rows: int | None  # None: no file, or a file that is not readable Parquet (see error)
-    dagster_rows: int | None  # dg.row_count of the latest materialization
+    dagster_rows: int | None  # dagster/partition_row_count of the latest materialization
     synced: bool  # the latest materialization was recorded by `eagle3 sync`, not by a run
     error: str = ""  # why the file on disk is unreadable
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Test setup for tests/test_browser.py: Debian's headless Chromium (never a browser download by Playwright)
+# Test setup for tests/e2e/test_browser.py: Debian's headless Chromium (never a browser download by Playwright)
 # and the Playwright Python driver. Idempotent; needs root (or passwordless sudo) for apt-get.
 set -euo pipefail
 if [ ! -x /usr/bin/chromium ]; then

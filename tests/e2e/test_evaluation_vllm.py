@@ -1,0 +1,52 @@
+"""draft_evaluation against the real CPU vLLM: greedy outputs with an EAGLE-3 draft equal the plain verifier's, and the
+per-request speculative metrics the online evaluation counts (a server started with a draft reports them).
+
+The plain server is the session's shared ``vllm_server``; the speculative one needs its own start (~130 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _local_server, _measure, _stats, mismatched
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+K = 3
+PROMPTS = [
+    "Explain how a hash map handles collisions.",
+    "Write a haiku about the sea.",
+    "What is 17 * 23? Show your work.",
+    "Summarize the causes of the French revolution in three sentences.",
+]
+
+
+def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    # An untrained draft (seeded) is the hardest case for identity: almost every proposal is rejected, so every
+    # output token comes from the verifier's correction path.
+    torch.manual_seed(0)
+    draft_dir = tmp_path / "draft"
+    build_draft(tiny_model_dir, [1, 2, 3], TrainConfig(ttt_steps=K), None).save_pretrained(str(draft_dir))
+
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": text}]) for i, text in enumerate(PROMPTS)]
+    config = OnlineConfig(
+        k=K, max_tokens=64, concurrency=2, python=vllm_server.config.python, log_dir=tmp_path / "logs"
+    )
+    plain = _measure(vllm_server.base_url, vllm_server.model_name, prompts, config)  # no draft: no spec metrics
+    assert plain.counters["drafts"] == 0  # no speculation on the plain server
+    with _local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
+        spec = _measure(server.base_url, server.model_name, prompts, config, speculative=True)
+
+    assert all(g.token_ids for g in plain.generations + spec.generations), "vLLM returned no token ids"
+    assert mismatched(plain.generations, spec.generations) == []
+    stats = _stats("untrained", K, spec)
+    assert stats.drafts > 0 and stats.draft_tokens == K * stats.drafts
+    assert len(stats.accepted_per_position) == K
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert 1.0 <= stats.mean_acceptance_length < 1.5  # a random draft is accepted ~never

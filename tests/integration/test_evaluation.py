@@ -1,0 +1,277 @@
+"""draft_evaluation without vLLM: the acceptance bookkeeping, the offline simulation on a stored partition (an
+oracle draft reaches k+1, an untrained one ~1), the untrained twin, the report files and the /metrics deltas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
+from eagle3_assets.storage import DataLayout
+
+K = 3
+
+
+# ------------------------------------------------------------------------------------ pure bookkeeping
+
+
+def test_anchor_acceptance_counts_the_matching_prefix() -> None:
+    import torch
+
+    from eagle3_assets.evaluation.offline import anchor_acceptance, walk
+
+    x = torch.arange(10, 22)  # 12 tokens
+    t = int(x.shape[0])
+    greedy = torch.cat([x[1:], torch.tensor([0])])  # stored tokens are the verifier's greedy continuation
+    mask = torch.zeros(t, dtype=torch.long)
+    mask[4:] = 1  # tokens 4.. are assistant tokens
+    perfect = torch.tensor([x[2 + j :].tolist() + [0] * (1 + j) for j in range(K)])
+    assert perfect.shape == (K, t - 1)
+    accepted = anchor_acceptance(perfect, greedy, x, mask)
+    # anchors c=3.. (token c+1 is the first assistant token) with a whole window inside the sequence
+    assert accepted[:3] == [-1, -1, -1]
+    assert all(a == K for a in accepted[3 : t - 1 - K])
+    assert all(a == -1 for a in accepted[t - 1 - K :])
+    # vLLM's decode walk: one draft per k+1 tokens
+    assert walk(accepted, mask.tolist(), K) == [K, K]
+
+    wrong_second = perfect.clone()
+    wrong_second[1] = -1  # position 2 never matches: prefix stops at 1 even though position 3 matches
+    assert set(a for a in anchor_acceptance(wrong_second, greedy, x, mask) if a >= 0) == {1}
+
+    # a stored token that is not the verifier's greedy choice takes every window containing it out
+    greedy2 = greedy.clone()
+    greedy2[7] = 999
+    acc2 = anchor_acceptance(perfect, greedy2, x, mask)
+    assert all(acc2[c] == -1 for c in range(4, 8)) and acc2[3] == K
+
+
+def test_stats_and_report_files(tmp_path: Path) -> None:
+    trained = AcceptanceStats(
+        "trained",
+        "online",
+        K,
+        drafts=10,
+        draft_tokens=30,
+        accepted_tokens=15,
+        accepted_per_position=[8, 5, 2],
+        output_tokens=250,
+        seconds=5.0,
+    )
+    offline = AcceptanceStats(
+        "trained", "offline", K, drafts=100, draft_tokens=300, accepted_tokens=140, accepted_per_position=[70, 45, 25]
+    )
+    untrained = AcceptanceStats(
+        "untrained",
+        "online",
+        K,
+        drafts=40,
+        draft_tokens=120,
+        accepted_tokens=0,
+        accepted_per_position=[0, 0, 0],
+        output_tokens=250,
+        seconds=20.0,
+    )
+    assert trained.mean_acceptance_length == 2.5
+    assert trained.acceptance_rate_per_position == [0.8, 0.5, 0.2]
+    report = EvaluationReport(
+        draft_dir="d",
+        verifier="v",
+        k=K,
+        held_out_partition="00002",
+        stats=[trained, offline, untrained],
+        online=OnlineRun(
+            prompts=4,
+            max_tokens=64,
+            baseline_output_tokens=250,
+            baseline_seconds=10.0,
+            mismatches={"trained": [], "untrained": ["s1"]},
+        ),
+    )
+    assert report.speedup("trained") == pytest.approx(2.0)
+    assert report.speedup("untrained") == pytest.approx(0.5)
+    assert report.agreement("trained") == pytest.approx(2.5 - 2.4)
+    json_path, md_path = write_report(report, DataLayout.at(tmp_path))
+    assert json_path.parent == DataLayout.at(tmp_path).evaluation_dir
+    data = json.loads(json_path.read_text())
+    assert data["speedup"]["trained"] == pytest.approx(2.0)
+    assert data["stats"][0]["mean_acceptance_length"] == 2.5
+    md = md_path.read_text()
+    assert "| trained | online | 10 | 2.500 | 0.800 | 0.500 | 0.200 | 50.0 | 2.00 |" in md
+    assert "1 DIFFERENT (s1)" in md and "agree" in md
+    assert not list(json_path.parent.glob(".*tmp*"))  # atomic writes leave nothing behind
+
+
+def test_acceptance_counts_from_a_per_request_histogram() -> None:
+    from eagle3_assets.evaluation.online import acceptance_counts
+
+    # vLLM's metrics.speculative_decoding: 5 verify steps accepted 0, 2 accepted 1, 1 accepted 2, 2 accepted 3
+    counts = acceptance_counts({"acceptance_histogram": [5, 2, 1, 2], "num_draft_tokens": 30}, K)
+    assert counts == {"drafts": 10, "draft_tokens": 30, "accepted": 10, "per_position": [5, 3, 2]}
+    assert sum(counts["per_position"]) == counts["accepted"]
+    with pytest.raises(ValueError, match="4 bins"):
+        acceptance_counts({"acceptance_histogram": [1, 2, 3, 4], "num_draft_tokens": 3}, 2)
+
+
+# ------------------------------------------------------------------------------------ offline on stored data
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataLayout, Path]:
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+    verifier = cached_tiny_verifier()
+    layout = DataLayout.at(tmp_path_factory.mktemp("eval") / "data")
+    fabricate_responses(layout, "00000", 6, min_words=15, max_words=25)
+    extract_partition(layout, "00000", verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
+    return layout, verifier
+
+
+class _OracleDraft:
+    """Stands in for a draft whose proposals always equal the stored next tokens (the targets)."""
+
+    def __init__(self, like: object) -> None:
+        self.target_layer_ids = [1, 2, 3]
+        self.draft_vocab_size = like.draft_vocab_size  # type: ignore[attr-defined]
+        self.t2d = like.t2d  # type: ignore[attr-defined]
+        self.d2t = like.d2t  # type: ignore[attr-defined]
+
+    def __call__(self, hidden_states, input_ids, document_ids, position_ids, ttt_steps):  # type: ignore[no-untyped-def]
+        import torch
+
+        ids = input_ids.squeeze(0)
+        return [torch.cat([ids[1 + j :], ids.new_zeros(1 + j)]).unsqueeze(0) for j in range(ttt_steps)]
+
+
+def test_offline_oracle_reaches_k_plus_one_and_untrained_about_one(
+    stored: tuple[DataLayout, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from eagle3_assets.evaluation import offline
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    layout, verifier = stored
+    torch.manual_seed(0)
+    untrained = build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None).eval()
+    # fabricated responses are not the verifier's greedy output: declare the stored tokens greedy, so that every
+    # assistant window is simulated and an oracle must be accepted in full
+    monkeypatch.setattr(
+        offline.VerifierHead, "greedy", lambda self, last: torch.full((last.shape[0],), -1, dtype=torch.long)
+    )
+    original = offline.anchor_acceptance
+
+    def greedy_is_stored(proposals, greedy, input_ids, loss_mask):  # type: ignore[no-untyped-def]
+        return original(proposals, torch.cat([input_ids[1:], input_ids.new_zeros(1)]), input_ids, loss_mask)
+
+    monkeypatch.setattr(offline, "anchor_acceptance", greedy_is_stored)
+    stats = {
+        s.label: s
+        for s in offline.evaluate_offline(
+            {"oracle": _OracleDraft(untrained), "untrained": untrained}, layout, "00000", k=K, verifier=verifier
+        )
+    }
+    oracle, rand = stats["oracle"], stats["untrained"]
+    assert oracle.drafts > 0 and oracle.extra["coverage"] > 0.5  # all but the last k anchors of each sample
+    assert oracle.mean_acceptance_length == pytest.approx(K + 1)
+    assert oracle.acceptance_rate_per_position == [1.0] * K
+    assert oracle.extra["every_position_mean_acceptance_length"] == pytest.approx(K + 1)
+    assert rand.mean_acceptance_length < 1.2, rand.to_dict()
+    assert rand.drafts >= oracle.drafts  # the walk drafts more often when less is accepted
+
+
+def test_offline_real_greedy_and_untrained_twin(stored: tuple[DataLayout, Path], tmp_path: Path) -> None:
+    import torch
+
+    from eagle3_assets.evaluation import offline
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    layout, verifier = stored
+    torch.manual_seed(1)
+    draft = build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None)
+    draft.save_pretrained(str(tmp_path / "draft"))
+    loaded = offline.load_draft(tmp_path / "draft", verifier)
+    assert loaded._attn_impl == "sdpa"
+    twin_dir = offline.save_untrained_draft(loaded, tmp_path / "twin")
+    twin = offline.load_draft(twin_dir, verifier)
+    # same shape, different (seeded) weights; the seed is reproducible
+    shapes = {k: v.shape for k, v in loaded.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in twin.state_dict().items()}
+    again = offline.build_untrained_like(loaded)
+    assert torch.equal(again.fc.weight, offline.build_untrained_like(loaded).fc.weight)
+    assert not torch.equal(again.fc.weight, loaded.fc.weight)
+    # the verifier head's greedy tokens are the full-vocabulary argmax of the model itself
+    head = offline.VerifierHead(verifier)
+    _sid, ids, _mask, hidden = next(offline.iter_samples(layout, "00000", 1))
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(verifier)).eval()
+    with torch.no_grad():
+        logits = ref(ids.unsqueeze(0)).logits[0]
+    agree = (head.greedy(hidden[:, -1, :]) == logits.argmax(-1)).float().mean()
+    assert agree > 0.95  # bf16 storage may flip a near tie
+    stats = offline.evaluate_offline({"trained": loaded}, layout, "00000", k=K, verifier=verifier)
+    assert stats[0].method == "offline" and 0.0 <= stats[0].extra["coverage"] <= 1.0
+
+
+def test_cli_offline_only_writes_the_report(
+    stored: tuple[DataLayout, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from eagle3_assets.evaluation.cli import main
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    layout, verifier = stored
+    torch.manual_seed(2)
+    build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None).save_pretrained(str(tmp_path / "draft"))
+    out = tmp_path / "report"
+    argv = ["--draft", str(tmp_path / "draft"), "--verifier", str(verifier), "--data-dir", str(layout.root)]
+    argv += ["--offline-only", "--max-samples", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| trained | offline |" in printed and "| untrained | offline |" in printed
+    data = json.loads((out / "report.json").read_text())
+    assert data["held_out_partition"] == "00000" and data["online"] is None
+    assert {(s["label"], s["method"]) for s in data["stats"]} == {("trained", "offline"), ("untrained", "offline")}
+    assert not (layout.evaluation_dir / "report.json").exists()  # --out: the asset's report is left alone
+    assert main(["--draft", str(tmp_path / "missing"), "--data-dir", str(layout.root), "--offline-only"]) == 1
+
+
+def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None:
+    import dagster as dg
+    import torch
+
+    from eagle3_assets.defs.evaluation import draft_evaluation
+    from eagle3_assets.defs.resources import DataStoreResource, EvaluationServersResource, VerifierResource
+    from eagle3_assets.training.train import TrainConfig, build_draft
+
+    layout, verifier = stored
+    torch.manual_seed(3)
+    build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None).save_pretrained(
+        str(layout.draft_model_dir / "final")
+    )
+    result = dg.materialize(
+        [draft_evaluation],
+        resources={
+            "data_store": DataStoreResource(data_dir=str(layout.root)),
+            "verifier": VerifierResource(path=str(verifier)),
+            "evaluation_servers": EvaluationServersResource(),
+        },
+        run_config={"ops": {"draft_evaluation": {"config": {"online": False, "offline_max_samples": 2}}}},
+    )
+    assert result.success
+    (event,) = result.get_asset_materialization_events()
+    metadata = event.materialization.metadata
+    assert "offline_trained_mean_acceptance_length" in metadata
+    assert "offline_untrained_mean_acceptance_length" in metadata
+    rows = [r.data for r in metadata["table"].records]
+    assert {(r["draft"], r["method"]) for r in rows} == {("trained", "offline"), ("untrained", "offline")}
+    k = metadata["k"].value
+    assert all(1.0 <= r["mean_acceptance_length"] <= 1 + k for r in rows if r["drafts"])  # NaN: an empty cell
+    assert metadata["dagster/row_count"].value == 2 and "| trained | offline |" in metadata["report_markdown"].value
+    assert "data:image/png;base64" in metadata["acceptance_per_position"].value
+    assert (layout.evaluation_dir / "report.json").exists() and (layout.evaluation_dir / "report.md").exists()

@@ -1,0 +1,144 @@
+"""Helpers for the operations tests: a real DAGSTER_HOME on disk, partitions materialized against the fake
+server, a failed partition, and a dagster-daemon subprocess. No tests here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+
+from eagle3_assets.storage import DataLayout
+from support.common import REPO_ROOT, make_resources, write_jsonl
+
+
+def make_dagster_home(root: Path) -> Path:
+    """A DAGSTER_HOME with the repo's dagster.yaml (run queue, vllm pool, retries, monitoring)."""
+    home = root / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO_ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    return home
+
+
+def write_workspace(root: Path) -> Path:
+    path = root / "workspace.yaml"
+    path.write_text(
+        "load_from:\n  - python_module:\n      module_name: eagle3_assets.definitions\n"
+        "      location_name: eagle3_assets\n"
+    )
+    return path
+
+
+def write_prompts(root: Path, count: int) -> Path:
+    return write_jsonl(root / "prompts.jsonl", [{"id": f"s{i}", "prompt": f"question {i}"} for i in range(count)])
+
+
+def pipeline_env(data_dir: Path, prompts: Path, partition_size: int, base_url: str, home: Path) -> dict[str, str]:
+    """The environment a code location / daemon / CLI of this test sees."""
+    return {
+        "DAGSTER_HOME": str(home),
+        "EAGLE3_DATA_DIR": str(data_dir),
+        "EAGLE3_PROMPTS_PATH": str(prompts),
+        "EAGLE3_PARTITION_SIZE": str(partition_size),
+        "EAGLE3_VLLM_BASE_URL": base_url,
+        "EAGLE3_CONCURRENCY": "8",
+    }
+
+
+def materialize_partitions(
+    instance: dg.DagsterInstance,
+    layout: DataLayout,
+    prompts: Path,
+    partition_size: int,
+    base_url: str,
+    ok: list[str],
+    failed: list[str],
+    with_raw_prompts: bool = True,
+) -> None:
+    """raw_prompts, then ``ok`` partitions against the server and ``failed`` ones against a dead port."""
+    from eagle3_assets.defs.inference import RemoteVLLMResource
+    from eagle3_assets.defs.prompts import raw_prompts
+    from eagle3_assets.defs.responses import synthetic_responses
+
+    def resources(url: str) -> dict:
+        server = RemoteVLLMResource(base_url=url, concurrency=8, max_attempts=1, request_timeout_s=5)
+        return make_resources(layout, prompts, partition_size=partition_size, inference_server=server)
+
+    if with_raw_prompts:
+        assert dg.materialize([raw_prompts], instance=instance, resources=resources(base_url)).success
+    for key, url in [(k, base_url) for k in ok] + [(k, "http://127.0.0.1:9/v1") for k in failed]:
+        result = dg.materialize(
+            [raw_prompts, synthetic_responses],
+            selection=[synthetic_responses],
+            partition_key=key,
+            instance=instance,
+            resources=resources(url),
+            raise_on_error=False,
+        )
+        assert result.success == (key in ok), f"partition {key}: success={result.success}"
+
+
+def initialize_storage(instance: dg.DagsterInstance) -> None:
+    """Create every SQLite storage (runs, events, schedules) now: they are created lazily, on first use."""
+    instance.get_runs(limit=1)
+    instance.get_backfills()
+    instance.all_instigator_state()
+    instance.get_daemon_heartbeats()
+    instance.get_latest_materialization_event(dg.AssetKey("raw_prompts"))
+
+
+def _default_signals() -> None:
+    # A process started from a backgrounded shell inherits SIGINT ignored, and Dagster's CLIs then never
+    # stop on SIGINT: give them the default handlers back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def dagster_process(
+    args: list[str], env: dict[str, str], cwd: Path, log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A Dagster CLI (``dagster-daemon``, ``dagster-webserver``) from this venv as a subprocess in its own
+    process group (its code server goes with it), stopped with SIGINT, then SIGKILL after 30 s."""
+    exe = Path(sys.executable).with_name(args[0])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(exe), *args[1:]],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_default_signals,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def dagster_daemon(workspace: Path, env: dict[str, str], log_path: Path):  # type: ignore[no-untyped-def]
+    """``dagster-daemon run`` over ``workspace`` (backfills, run queue, run monitoring)."""
+    return dagster_process(["dagster-daemon", "run", "-w", str(workspace)], env, workspace.parent, log_path)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")

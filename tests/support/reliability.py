@@ -1,0 +1,188 @@
+"""Helpers shared by the reliability tests (issue 8). No tests here; the ``test_reliability_*`` files use them."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets.generation import GenerationConfig, PromptToGenerate
+from support.common import child_env
+from support.fake_vllm import FakeConfig, config_to_args, get_json, post_json, prompt_key
+
+
+def make_prompts(n: int, tag: str = "r") -> list[PromptToGenerate]:
+    return [
+        PromptToGenerate(f"{tag}-{i:05d}", [{"role": "user", "content": f"{tag} reliability question {i}"}])
+        for i in range(n)
+    ]
+
+
+def key_of(prompt: PromptToGenerate) -> str:
+    """The fake server's key for a prompt (its per-prompt request counters are keyed by it)."""
+    return prompt_key([dict(m) for m in prompt.messages])
+
+
+def quick_config(*urls: str, **overrides: object) -> GenerationConfig:
+    """Short timeouts and backoff so fault tests finish in seconds."""
+    values: dict[str, object] = dict(
+        base_urls=list(urls),
+        concurrency=16,
+        max_tokens=2000,
+        request_timeout_s=5.0,
+        connect_timeout_s=2.0,
+        idle_timeout_s=2.0,
+        backoff_base_s=0.05,
+        backoff_max_s=0.5,
+        bench_after_failures=1000,
+        fsync_interval_s=0.2,
+        progress_interval_s=1.0,
+    )
+    values.update(overrides)
+    return GenerationConfig(**values)  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def closed_port_url() -> str:
+    """A base URL on which nothing listens: connection refused at once."""
+    return f"http://127.0.0.1:{free_port()}/v1"
+
+
+class RestartableServer:
+    """The fake vLLM server as a subprocess on a FIXED port, so it can crash and come back at the same URL."""
+
+    def __init__(self, config: FakeConfig, port: int | None = None) -> None:
+        self.config = config
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RestartableServer:
+        cmd = [sys.executable, "-m", "support.fake_vllm", "--host", "127.0.0.1", "--port", str(self.port)]
+        deadline = time.monotonic() + 15
+        while True:  # the port can stay busy for a moment after a crash
+            self.proc = subprocess.Popen(
+                cmd + config_to_args(self.config),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=child_env(),
+            )
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            if line.startswith("READY "):
+                return self
+            self.proc.wait()
+            self.proc.stdout.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake server did not start on port {self.port}: {line!r}")
+            time.sleep(0.2)
+
+    def crash(self) -> None:
+        """SIGKILL: every open connection is reset, like a crashed vLLM."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def stats(self) -> dict[str, Any]:
+        return get_json(f"{self.root_url}/stats")
+
+    def reset_stats(self) -> None:
+        post_json(f"{self.root_url}/stats/reset")
+
+
+@contextmanager
+def restartable_server(config: FakeConfig) -> Iterator[RestartableServer]:
+    server = RestartableServer(config).start()
+    try:
+        yield server
+    finally:
+        server.crash()
+
+
+def journal_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: float, delay_s: float = 0.0) -> None:
+    """Run ``script`` (which prints START when it begins work), SIGKILL it once ``reached()`` is true.
+
+    ``delay_s`` shifts the kill a little past the threshold, so kills land at varied points of the write path.
+    """
+    child = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=script.parent,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "START"
+        deadline = time.monotonic() + timeout_s
+        while not reached() and child.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(delay_s)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def block_before_rename(argv_index: int) -> str:
+    """Child-script prologue: when ``sys.argv[argv_index:argv_index + 2]`` is given as (name prefix, marker path),
+    the child touches the marker and stops for good just before renaming a temporary file whose name starts with the
+    prefix into place, so the parent can SIGKILL it with the temporary written but not renamed."""
+    return textwrap.dedent(
+        f"""
+        import os, sys, time
+        if len(sys.argv) > {argv_index}:
+            block, marker = sys.argv[{argv_index}:{argv_index + 2}]
+            real_replace = os.replace
+
+            def replace(src, dst, *args, **kwargs):
+                if os.path.basename(src).startswith(block):
+                    open(marker, "w").close()
+                    time.sleep(3600)
+                return real_replace(src, dst, *args, **kwargs)
+
+            os.replace = replace
+        """
+    )

@@ -1,0 +1,55 @@
+"""Session fixtures for tests against the real CPU vLLM server on the tiny local model.
+
+One server per test session (start-up is ~70-120 s on 2 cores). tests/conftest.py registers this module for the
+whole session (``pytest_plugins = ["support.vllm_fixtures"]``), so every test that names the ``vllm_server``
+fixture shares the same server.
+
+Skips (does not fail) when the vLLM interpreter (``$EAGLE3_VLLM_PYTHON`` or ``.venv-vllm``) is missing, so
+``make test-fast`` and machines without the optional install still pass; ``make test`` installs it first.
+Set ``EAGLE3_REQUIRE_VLLM=1`` (CI) to turn that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.local.tiny_model import build_tiny_model
+from eagle3_assets.local.vllm_server import (
+    LocalVLLMServer,
+    VLLMNotInstalledError,
+    VLLMServerConfig,
+    check_vllm_python,
+    find_free_port,
+)
+
+TINY_MODEL_NAME = "tiny-llama"
+TINY_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / TINY_MODEL_NAME, seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalVLLMServer]:
+    try:
+        python = check_vllm_python(import_check=True)
+    except VLLMNotInstalledError as exc:
+        if os.environ.get("EAGLE3_REQUIRE_VLLM", "").strip() in {"1", "true", "yes"}:
+            pytest.fail(f"EAGLE3_REQUIRE_VLLM is set but the vLLM venv is unusable: {exc}")
+        pytest.skip(f"local vLLM not installed (run `make install-vllm`): {exc}")
+    config = VLLMServerConfig(
+        model=tiny_model_dir,
+        served_model_name=TINY_MODEL_NAME,
+        port=find_free_port(),
+        python=python,
+        max_model_len=TINY_MAX_MODEL_LEN,
+        log_dir=tmp_path_factory.mktemp("vllm-logs"),
+    )
+    with LocalVLLMServer(config) as server:
+        yield server
