@@ -145,7 +145,7 @@ def run_async(coro: Any) -> Any:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - depends on the environment
+    except ImportError:  # pragma: no cover - uvloop is declared for every platform but Windows, which lacks it
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
