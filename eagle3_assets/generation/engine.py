@@ -188,9 +188,9 @@ class Engine:
             item.attempts += 1
             self.stats.requests += 1
             started = time.monotonic()
-            if item.body is None:
-                item.body = build_body(self.model, item.messages, self.request_fields, self.config.stream)
-            try:
+            try:  # every way out of this try gives the endpoint back exactly once
+                if item.body is None:
+                    item.body = build_body(self.model, item.messages, self.request_fields, self.config.stream)
                 completion = await self.transports[endpoint.url].complete(
                     item.body, stream=self.config.stream, deadline_s=self.config.request_timeout_s
                 )
@@ -208,7 +208,7 @@ class Engine:
             raise
         except Exception as error:  # a bug in this sample's bookkeeping: it fails this sample, never the pool
             detail = f"{type(error).__name__}: {error}"
-            self._fail_sample(item, endpoint, f"internal error while recording the result: {detail}")
+            self._fail_sample(item, endpoint, f"internal error while handling this sample: {detail}")
         finally:
             # whatever happened above: a slot that is never given back would hang the run
             self._in_flight -= 1

@@ -189,6 +189,77 @@ def test_bad_bodies_are_retryable(body: bytes, fragment: str) -> None:
     assert caught.value.retryable and fragment in caught.value.message
 
 
+def _body(**changes: object) -> bytes:
+    """A chat completion with some top-level, choice, message or usage fields replaced (dotted keys)."""
+    data: dict = {
+        "model": "m",
+        "choices": [{"message": {"content": "A", "reasoning": "R"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+    }
+    for key, value in changes.items():
+        target = data
+        *path, last = key.split(".")
+        for part in path:
+            target = target["choices"][0] if part == "choice" else target[part]
+        target[last] = value
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (_body(**{"choice.message.content": ["A"]}), "choices[0].message.content is an array, expected a string"),
+        (_body(**{"choice.message.content": 7}), "choices[0].message.content is a number"),
+        (_body(**{"choice.message.reasoning": {"t": "R"}}), "choices[0].message.reasoning is an object"),
+        (
+            _body(**{"choice.message.reasoning": None, "choice.message.reasoning_content": True}),
+            "choices[0].message.reasoning_content is a boolean",
+        ),
+        (_body(**{"choice.finish_reason": 1}), "choices[0].finish_reason is a number"),
+        (_body(**{"usage.prompt_tokens": "3"}), "usage.prompt_tokens is a string, expected a non-negative integer"),
+        (_body(**{"usage.completion_tokens": 5.0}), "usage.completion_tokens is a number"),
+        (_body(**{"usage.completion_tokens": -1}), "usage.completion_tokens is a negative number"),
+        (_body(**{"usage.prompt_tokens": True}), "usage.prompt_tokens is a boolean"),
+        (_body(usage=[3, 5]), "usage is an array, expected an object"),
+        (_body(model=["m"]), "model is an array"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_retryable_failure_naming_it(body: bytes, fragment: str) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        parse_completion(body)
+    assert caught.value.retryable and caught.value.message.startswith(f"reply field {fragment}"), caught.value
+
+
+@pytest.mark.parametrize(
+    ("event", "fragment"),
+    [
+        ({"choices": [{"delta": {"content": ["a"]}}]}, "choices[0].delta.content is an array"),
+        ({"choices": [{"delta": {"reasoning": {"a": 1}}}]}, "choices[0].delta.reasoning is an object"),
+        ({"choices": [{"delta": "a"}]}, "choices[0].delta is a string, expected an object"),
+        ({"choices": ["a"]}, "choices[0] is a string, expected an object"),
+        ({"choices": [{"delta": {}, "finish_reason": 3}]}, "choices[0].finish_reason is a number"),
+        ({"choices": [], "usage": "3 5"}, "usage is a string, expected an object"),
+        ({"choices": [], "model": 1}, "model is a number"),
+    ],
+)
+def test_a_stream_field_of_the_wrong_type_is_a_retryable_failure_naming_it(event: object, fragment: str) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        StreamState().feed(json.dumps(event).encode())
+    assert caught.value.retryable and caught.value.message.startswith(f"reply field {fragment}")
+
+
+def test_stream_usage_strings_fail_when_the_completion_is_assembled() -> None:
+    state = StreamState()
+    _sse(
+        state,
+        {"choices": [{"delta": {"content": "a"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": "1", "completion_tokens": 1}},
+        b"[DONE]",
+    )
+    with pytest.raises(RequestFailed, match=r"^reply field usage.prompt_tokens is a string"):
+        state.result()
+
+
 def _sse(state: StreamState, *events: object) -> None:
     for event in events:
         state.feed(event if isinstance(event, bytes) else json.dumps(event).encode())
