@@ -65,7 +65,9 @@ class GenerationConfig:
     # computed on exactly the tokens the server produced, where re-tokenizing the text differs at a quarter to a
     # third of positions. Servers that do not know the field ignore it (vLLM) or must be told False here.
     return_token_ids: bool = True
-    transport: str = "openai"  # "openai" (openai.AsyncOpenAI) or "aiohttp" (leaner, same semantics)
+    # "aiohttp" (the project's own aiohttp client, ~1 ms CPU per request) or "openai" (stock openai.AsyncOpenAI over
+    # the SDK's aiohttp client: same requests and results, more CPU); see generation/transport.py
+    transport: str = "aiohttp"
     # streaming: no bytes for this long = retryable failure. Generous: a request queued behind a full batch
     # gets no bytes until it is scheduled.
     idle_timeout_s: float = 300.0

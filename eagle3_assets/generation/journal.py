@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from eagle3_assets import storage
 from eagle3_assets.generation.records import STATUS_OK
 
-try:  # orjson is ~5x faster at dumping long strings; stdlib json is the fallback
-    import orjson
+_loads = orjson.loads
 
-    def _dumps(record: Mapping[str, Any]) -> bytes:
-        return orjson.dumps(record)
 
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-    def _dumps(record: Mapping[str, Any]) -> bytes:
-        return _encoder.encode(record).encode()
-
-    _loads = json.loads
+def _dumps(record: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(record)
 
 
 @dataclass

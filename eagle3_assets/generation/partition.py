@@ -8,7 +8,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,6 @@ class GenerationResult:
     stale_reasons: dict[str, int] = field(default_factory=dict)
     settings_digest: str = ""  # FingerprintInputs.settings_digest of this run (the manifest has its inputs)
     data_version: str = ""  # content hash of the written Parquet (Dagster's data version of the partition)
-
-    def metadata(self) -> dict[str, Any]:
-        """Plain JSON-able values for Dagster metadata (the wrapper picks what it shows)."""
-        data = asdict(self)
-        data["path"] = str(self.path)
-        return data
 
 
 def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGenerate]:
@@ -218,7 +212,7 @@ def run_async(coro: Any) -> Any:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - depends on the environment
+    except ImportError:  # pragma: no cover - uvloop is declared for every platform but Windows, which lacks it
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
