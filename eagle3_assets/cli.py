@@ -97,7 +97,9 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print
     with _instance() as instance:
         try:
-            plan = backfill.plan_missing(instance, args.asset, partitions, downstream=not args.no_downstream)
+            plan = backfill.plan_missing(
+                instance, args.asset, partitions, downstream=not args.no_downstream, layout=_layout(args)
+            )
         except (KeyError, ValueError) as error:
             print(f"eagle3 backfill: {error.args[0] if error.args else error}", file=sys.stderr)
             return 2
@@ -106,6 +108,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             "dry_run": args.dry_run,
             "targets": plan.targets,
             "status": plan.status,
+            "stale": plan.stale,
             "backfill_id": None,
         }
         if not plan.registered:
@@ -276,13 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
         "backfill", help="launch ONE daemon backfill of the missing/failed partitions (visible in the UI)"
     )
     backfill.add_argument(
-        "--missing", action="store_true", help="required: only partitions missing or failed in Dagster"
+        "--missing",
+        action="store_true",
+        help="required: only partitions missing or failed in Dagster, or whose prompts changed or checks failed",
     )
     backfill.add_argument("--asset", default="synthetic_responses", help="anchor asset (default: %(default)s)")
     backfill.add_argument("--partitions", help="comma-separated keys to consider (default: all registered)")
     backfill.add_argument("--no-downstream", action="store_true", help="leave partitioned descendants out")
     backfill.add_argument("--dry-run", action="store_true", help="list what would be launched")
     backfill.add_argument("--json", action="store_true", help="also print the plan as JSON")
+    backfill.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR (for partitions whose prompts changed)")
     backfill.set_defaults(func=cmd_backfill)
 
     sync_parser = sub.add_parser("sync", help="record valid partition files on disk as materialized in Dagster")

@@ -17,10 +17,19 @@ if TYPE_CHECKING:
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
-    keys = sorted(data_store.layout.partition_files("hidden_states"))
+    from eagle3_assets.lineage import partitions_passing_checks
+
+    # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
+    keys, excluded = partitions_passing_checks(
+        data_store.layout, sorted(data_store.layout.partition_files("hidden_states"))
+    )
+    for key, why in excluded.items():
+        dg.get_dagster_logger().warning(f"hidden_states partition {key} left out of training: {why}")
     if not keys:
+        why = f" ({len(excluded)} left out: {dict(list(excluded.items())[:3])})" if excluded else ""
         raise FileNotFoundError(
-            f"no hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}: materialize them first"
+            f"no usable hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}{why}: "
+            "materialize them (and their synthetic_responses) until their checks pass"
         )
     return keys
 

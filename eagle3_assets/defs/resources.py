@@ -168,18 +168,19 @@ class VerifierResource(SettingsResource):
         return path
 
 
-# The one declaration of the API key setting: generation (inference_server) and draft_evaluation
-# (evaluation_servers) read the same variable.
-API_KEY_SETTING = setting(
-    "EAGLE3_API_KEY",
-    secret=True,
-    description="API key for the server(s) (generation and evaluation); never logged or stored.",
+# The API key: generation (inference_server) and draft_evaluation (evaluation_servers) read the same variable, and
+# no config field names it: a launchpad user could otherwise send any variable of the run's process as a bearer
+# token. It is no field, so the configuration table gets its row from here.
+API_KEY_ENV = "EAGLE3_API_KEY"
+API_KEY_TABLE_ROW = (
+    f"| `{API_KEY_ENV}` | (empty) | secret, read when a run starts; never logged or stored | "
+    "API key for the server(s) (generation and evaluation); never logged or stored. | `defs.resources.API_KEY_ENV` |"
 )
 
 
-def api_key_from(variable: str) -> str | None:
-    """The secret in the named environment variable, read when a run needs it (never config)."""
-    return os.environ.get(variable) or None
+def read_api_key() -> str | None:
+    """The secret in ``EAGLE3_API_KEY``, read when a run needs it (never config)."""
+    return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
 class EvaluationServersResource(SettingsResource):
@@ -207,10 +208,9 @@ class EvaluationServersResource(SettingsResource):
     served_model_name: str = setting(
         "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
     )
-    api_key_env: str = API_KEY_SETTING
 
     def api_key(self) -> str | None:
-        return api_key_from(self.api_key_env)
+        return read_api_key()
 
 
 def settings_resources() -> dict[str, type[SettingsResource]]:
@@ -245,4 +245,7 @@ def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:
 
 def settings_markdown() -> str:
     """The README's configuration table (``eagle3 config --markdown``)."""
-    return settings.markdown_table(settings_classes())
+    table = settings.markdown_table(settings_classes()).splitlines()
+    # after the first inference-server setting (the served model), where a field would stand
+    at = next((i for i, line in enumerate(table) if "`RemoteVLLMResource." in line), len(table))
+    return "\n".join([*table[: at + 1], API_KEY_TABLE_ROW, *table[at + 1 :]])

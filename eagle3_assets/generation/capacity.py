@@ -14,7 +14,7 @@ The rule, per server, at each poll (``own`` = this engine's requests in flight t
 - ``free = target - max(others, others at the previous poll) - own``: room another client left is claimed
   once it has lasted one poll interval (a request another engine just got back is a gap of milliseconds
   before that engine refills it; claiming it would overfill the server). Room (``free >= 0``): the cap
-  becomes ``own + free``, or ``own + free/2`` when the room is *contested*: on our first poll, or when
+  becomes ``own + free``, or ``own + free/2`` when the room is *contested*: on our first claim, or when
   ``others`` grew since the previous one (someone else is claiming too). Halving makes two engines that
   see the same room fill it together instead of twice.
 - Overfull (``free < 0``): the cap becomes ``own * target / (own + others)``, every adaptive client shedding in
@@ -46,9 +46,6 @@ from typing import Any
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint
 
-# An engine behind a lower key in the line takes room nobody took for this many polls (1 s at 0.25 s): the
-# first in line would have, so that key is satisfied (its own target reached) or stuck, and the room would idle.
-LINE_PATIENCE_POLLS = 4
 FIRST_REPOLL_S = 0.05
 
 RUNNING = "vllm:num_requests_running"
@@ -112,7 +109,6 @@ class ServerAdmission:
     others: int | None = None  # the load not ours at the previous poll; None before the first
     managed: bool | None = None  # True: /metrics drives the cap; False: fixed cap; None: not known yet
     polls: int = 0
-    room_polls: int = 0  # consecutive polls that found room
     peak_waiting: int = 0
     peak_load: int = 0
 
@@ -127,11 +123,13 @@ class ServerAdmission:
         # back is a gap of a few milliseconds before that engine refills it, not room for us.
         settled = others if self.others is None else max(others, self.others)
         free = self.target - settled - own
-        self.room_polls = self.room_polls + 1 if free > 0 else 0
-        if free >= 0 and not first and self.room_polls < LINE_PATIENCE_POLLS:
-            cap = own  # behind a lower key: keep what we hold, leave the room to it
+        if self.others is None or (free >= 0 and not first):
+            # The first poll only looks (and has joined the line): engines of one pipeline that start in the
+            # same instant are ordered by the line before any of them claims. Behind a lower key: keep what we
+            # hold (refilled locally), leave the room to it.
+            cap = own
         elif free >= 0:
-            contested = self.others is None or others > self.others
+            contested = self.polls == 2 or others > self.others  # our first claim may be someone else's too
             cap = own + ((free + 1) // 2 if contested else free)
         else:
             cap = own * self.target // (own + settled)
@@ -141,8 +139,9 @@ class ServerAdmission:
 
 class PartitionLine:
     """Key order among this pipeline's partition runs: only the lowest partition key that still has samples to
-    send takes new room; the others keep what they hold and wait (room nobody took for a second is theirs
-    too: the first in line may have reached its own target). One file per waiting or sending partition in
+    send and is *hungry* (below its target at some server) takes new room; the others keep what they hold and
+    wait. A partition at its own target leaves the line, so a lower key configured with a smaller target
+    does not idle the room it cannot use. One file per waiting or sending partition in
     ``directory`` (under the data dir, which every run worker shares), touched at every poll; a file not touched
     for ``stale_s`` belongs to a dead run and is ignored.
 
@@ -251,8 +250,8 @@ class CapacityMonitor:
             self.line.leave()
 
     async def _loop(self) -> None:
-        # The second poll soon after the first: the first took only half of an empty server (it may have been
-        # contested), and an engine alone should have the rest within milliseconds, not a poll interval.
+        # The second poll soon after the first: the first only looked (and joined the line), and an engine alone
+        # should be sending within milliseconds, not a poll interval.
         await asyncio.sleep(min(FIRST_REPOLL_S, self.config.capacity_poll_s))
         while True:
             await self.poll_once()
@@ -263,10 +262,17 @@ class CapacityMonitor:
         if not pending:
             return
         pages = await asyncio.gather(*[self._fetch(e.url) for e in pending])
-        first = self.line is None or self.line.first(self.has_samples())
+        first = self.line is None or self.line.first(self.has_samples() and self._hungry())
         for endpoint, page in zip(pending, pages, strict=True):
             self._apply(endpoint, page, first)
         self.on_change()
+
+    def _hungry(self) -> bool:
+        """Below its target at some server it reads the load of (before the first poll: yes)."""
+        return any(
+            s.managed is not False and (s.polls == 0 or e.cap < s.target)
+            for e, s in ((e, self.servers[e.url]) for e in self.endpoints)
+        )
 
     def _apply(self, endpoint: Endpoint, page: tuple[int, str] | None, first: bool = True) -> None:
         server = self.servers[endpoint.url]
@@ -301,11 +307,13 @@ class CapacityMonitor:
 
     def _client(self) -> Any:
         if self._session is None:  # created on the running loop (an aiohttp session binds to it)
-            import aiohttp
+            from eagle3_assets.generation.transport import aiohttp_session
 
             headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            connector = aiohttp.TCPConnector(limit=len(self.endpoints) + 2, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(connector=connector, headers=headers)
+            timeout_s = self.config.connect_timeout_s
+            self._session = aiohttp_session(
+                limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s, headers=headers
+            )
         return self._session
 
     def summary(self) -> dict[str, dict[str, Any]]:

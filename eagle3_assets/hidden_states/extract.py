@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets import lineage
 from eagle3_assets.hidden_states.backends import (
     BACKEND_NAMES,
     DTYPES,
@@ -235,12 +236,24 @@ def _compute(
     return time.perf_counter() - started
 
 
-def _finish(data_dir: Path, index_path: Path, rows: list[Row], meta: dict[str, Any]) -> int:
-    """The training dataset, token frequencies, metadata and, last, the index; returns the sample files' bytes."""
-    _save_dataset(data_dir, rows)
-    _save_token_freq(data_dir, rows)
-    write_json_atomic({**meta, "samples": len(rows)}, data_dir / META_FILE)
-    return int(_write_index(index_path, data_dir, rows)["bytes"].sum())
+def _finish(
+    layout: DataLayout,
+    partition_key: str,
+    staging: Path,
+    index_path: Path,
+    rows: list[Row],
+    meta: dict[str, Any],
+    extraction: Any,
+) -> tuple[int, Path]:
+    """The training dataset, token frequencies and metadata in the staging folder, then the partition published
+    whole, then the index and its lineage record; returns the sample files' bytes and the published folder."""
+    _save_dataset(staging, rows)
+    _save_token_freq(staging, rows)
+    write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)
+    data_dir = lineage.publish_hidden_states(layout, partition_key, staging)
+    total = int(_write_index(index_path, data_dir, rows)["bytes"].sum())
+    lineage.record_hidden_states(layout, partition_key, extraction)
+    return total, data_dir
 
 
 def extract_partition(
@@ -269,8 +282,11 @@ def extract_partition(
                 f"synthetic_responses partition {partition_key} has no ok responses ({failed} failed): "
                 "nothing to extract; regenerate the partition first"
             )
-        # The index marks a complete partition; drop it while the partition is being rewritten.
-        index_path.unlink(missing_ok=True)
+        # Built aside and published whole: the old partition (index included) stays usable until then.
+        extraction = lineage.hidden_states_extraction_inputs(
+            layout, verifier_path, layer_ids, config.max_seq_len, config.dtype
+        )
+        data_dir = lineage.begin_hidden_states(layout, partition_key, extraction)
         rows, served = render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
         _cleanup(data_dir, len(rows))
         pending, reasons = _pending_rows(rows, data_dir, n_states, shape.hidden_size, config.dtype)
@@ -293,7 +309,7 @@ def extract_partition(
             "vocab_size": shape.vocab_size, "dtype": config.dtype, "max_seq_len": config.max_seq_len,
             "verifier_path": str(verifier_path),
         }  # fmt: skip
-        total_bytes = _finish(data_dir, index_path, rows, meta)
+        total_bytes, data_dir = _finish(layout, partition_key, data_dir, index_path, rows, meta, extraction)
 
     return HiddenStatesResult(
         partition_key=partition_key,

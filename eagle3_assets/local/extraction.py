@@ -76,7 +76,7 @@ def extraction_server_config(
     startup_timeout_s: float = 600.0,
     log_dir: Path | None = None,
     python: Path | None = None,
-    die_with_parent: bool = False,
+    die_with_parent: bool = True,
     dtype: str = "float32",
 ) -> VLLMServerConfig:
     """The server configuration; ``max_model_len`` is capped at the verifier's ``max_position_embeddings``."""

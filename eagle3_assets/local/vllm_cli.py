@@ -12,6 +12,7 @@ backend's server): ``--layer-ids`` and ``--storage`` say which layers and where 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -66,7 +67,6 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
 
 def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     """``--hidden-states``: the verifier in extraction mode (the ``vllm`` hidden-states backend's server)."""
-    import dataclasses
 
     from eagle3_assets.hidden_states.backends import resolve_layer_ids, verifier_shape
     from eagle3_assets.local.extraction import extraction_server_config
@@ -141,7 +141,7 @@ def _expected_log(args: argparse.Namespace) -> Path:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
-    cfg = _config_from_args(args)
+    cfg = dataclasses.replace(_config_from_args(args), die_with_parent=False)  # detached: outlives this command
     pid_file = _pid_file(args)
     server = LocalVLLMServer(cfg)
     try:

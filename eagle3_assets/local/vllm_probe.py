@@ -11,7 +11,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
@@ -55,17 +55,6 @@ def _unauthorized_message(base_url: str, api_key: str | None) -> str:
         else f"no key was sent (set {API_KEY_ENV} in the environment of the caller or in extra_env)"
     )
     return f"the server requires an API key: {base_url}/models answered 401 Unauthorized; {sent}"
-
-
-def _key_in_args(args: Sequence[str]) -> str | None:
-    """The value of an ``--api-key`` in vLLM arguments (``--api-key K`` or ``--api-key=K``), if any."""
-    args = [str(arg) for arg in args]
-    for i, arg in enumerate(args):
-        if arg.startswith("--api-key="):
-            return arg.split("=", 1)[1] or None
-        if arg == "--api-key" and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            return args[i + 1]
-    return None
 
 
 def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:

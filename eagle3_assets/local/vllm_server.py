@@ -7,6 +7,16 @@ it is always run as a subprocess of *that* interpreter, never imported here. The
 The server gets its own process group (session): stopping signals the whole group (API server + engine core),
 first SIGINT (vLLM's graceful path, what Ctrl-C in a terminal does), then SIGTERM, then SIGKILL.
 
+API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
+process has ``VLLM_API_KEY`` in its environment. ``--api-key`` in ``extra_args`` is refused (every user sees it in
+``ps`` and it would land in the log's command line). The health check sends the key the server was given, read from
+the server's environment (``extra_env`` over the caller's); it is never put on the command line, in the log or in an
+error message. A server that answers 401 fails ``start()`` at once.
+
+Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here gets SIGTERM when the thread that
+started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
+started (a per-user record of pid, port and model folder) for the same model folder and served name.
+
 The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_server``) is
 :mod:`eagle3_assets.local.vllm_cli`; probing a running server (models, API key, metrics) is
 :mod:`eagle3_assets.local.vllm_probe`; stopping a process group is :mod:`eagle3_assets.local.process_group`.
@@ -28,10 +38,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from eagle3_assets import process_guard
 from eagle3_assets.local.process_group import _only_zombies, stop_process_group
 from eagle3_assets.local.vllm_probe import (
     API_KEY_ENV,
-    _key_in_args,
     _probe_models,
     _unauthorized_message,
     list_models,
@@ -89,15 +99,6 @@ _EXEC_SHIM = (
     "import os, signal, sys; stops = {signal.SIGINT, signal.SIGTERM}; "
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, stops); [signal.signal(s, signal.SIG_DFL) for s in stops]; "
     "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', *sys.argv[1:]])"
-)
-
-# Prepended to the shim for a server that must not outlive the process that started it (the hidden-states backend's
-# embedded server): the kernel sends SIGTERM (vLLM's graceful stop, which also ends its engine core) when the
-# starting thread's process dies, even by SIGKILL. The setting survives exec. Linux only; elsewhere a no-op.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; parent = int(sys.argv.pop(1)); "
-    "sys.platform.startswith('linux') and ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
-    "os.getppid() != parent and os._exit(1); "
 )
 
 
@@ -175,7 +176,13 @@ class VLLMServerConfig:
     log_dir: Path | None = None  # default: default_log_dir()
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     reuse_existing: bool = False  # use an already-healthy server on host:port instead of starting one
-    die_with_parent: bool = False  # SIGTERM the server when the starting process dies (Linux)
+    die_with_parent: bool = True  # SIGTERM when the starting thread dies (process_guard); False for `start`
+
+    def __post_init__(self) -> None:
+        try:
+            process_guard.refuse_key_args([str(a) for a in self.extra_args])
+        except process_guard.KeyInArgumentsError as error:
+            raise VLLMServerError(str(error)) from None
 
     @property
     def model_name(self) -> str:
@@ -186,10 +193,7 @@ class VLLMServerConfig:
         return f"http://{self.host}:{self.port}/v1"
 
     def command(self, python: Path) -> list[str]:
-        if self.die_with_parent:
-            cmd = [str(python), "-c", _DIE_WITH_PARENT + _EXEC_SHIM, str(os.getpid())]
-        else:
-            cmd = [str(python), "-c", _EXEC_SHIM]
+        cmd = [str(python), "-c", (process_guard.DEATHSIG_PROLOGUE if self.die_with_parent else "") + _EXEC_SHIM]
         cmd += ["--model", str(Path(self.model).resolve()), "--served-model-name", self.model_name]
         cmd += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
         cmd += ["--max-model-len", str(self.max_model_len)]
@@ -210,12 +214,13 @@ class VLLMServerConfig:
         env.update(SERVER_ENV)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env.update(self.extra_env)
+        env[process_guard.PARENT_PID_ENV] = str(os.getpid())
         return env
 
     def api_key(self) -> str | None:
-        """The key the server requires on ``/v1/*``, as vLLM picks it: ``--api-key`` in ``extra_args`` first,
-        else ``VLLM_API_KEY`` from the server's environment; None when it requires none."""
-        return _key_in_args(self.extra_args) or self.environment().get(API_KEY_ENV) or None
+        """The key the server requires on ``/v1/*``: ``VLLM_API_KEY`` from the server's environment (``--api-key``
+        in ``extra_args`` is refused); None when it requires none."""
+        return self.environment().get(API_KEY_ENV) or None
 
 
 _OPTION_ALIASES = {"model_dir": "model", "reuse_running": "reuse_existing", "reuse": "reuse_existing"}
@@ -283,6 +288,9 @@ class LocalVLLMServer:
                     raise VLLMServerError(
                         f"{cfg.base_url} serves {models}, not {cfg.model_name!r}; stop it or use another port"
                     )
+                refusal = process_guard.reuse_refusal(cfg.host, cfg.port, cfg.model, cfg.model_name)
+                if refusal is not None:
+                    raise VLLMServerError(f"cannot reuse the server on {cfg.host}:{cfg.port}: {refusal}")
                 self.reused = True
                 self.startup_s = 0.0
                 return self
@@ -321,6 +329,7 @@ class LocalVLLMServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - started
+        process_guard.write_marker(cfg.host, cfg.port, self.process.pid, cfg.model, cfg.model_name)
         return self
 
     def _wait_until_ready(self, started: float) -> None:
@@ -349,7 +358,9 @@ class LocalVLLMServer:
         """Stop the server (no-op for a reused one); returns its exit code."""
         if self.process is None:
             return None
-        code = stop_process_group(self.process.pid, grace_s=grace_s, process=self.process)
+        pid = self.process.pid
+        code = stop_process_group(pid, grace_s=grace_s, process=self.process)
+        process_guard.remove_marker(self.config.host, self.config.port, pid)
         self.process = None
         return code
 

@@ -114,6 +114,11 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
     outcome = completeness_check(path, expected_ids)
     if not outcome.passed:
         return FileVerdict("synthetic_responses", key, path, False, f"incomplete: {outcome.description}")
+    from eagle3_assets.lineage import prompt_drift
+
+    drift = prompt_drift(layout, [key]).get(key)  # same ids, other prompts: the rows answer old questions
+    if drift is not None:
+        return FileVerdict("synthetic_responses", key, path, False, drift.describe())
     with duckdb.connect() as con:
         ok, failed, truncated, prompt_tokens, completion_tokens = con.execute(
             f"""SELECT count(*) FILTER (WHERE status = 'ok'), count(*) FILTER (WHERE status = 'failed'),

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets import lineage
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
@@ -273,6 +274,8 @@ def _prepare(
     fingerprint = ckpt.fingerprint(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
     )
+    # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
+    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path)
     history: dict[str, Any] = {
         **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},
         "loss_curve": [],

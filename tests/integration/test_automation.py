@@ -134,7 +134,7 @@ def test_the_daemon_materializes_hidden_states_once_the_responses_land(
                 return [r for r in runs if "hidden_states" in {k.to_user_string() for k in r.asset_selection or []}]
 
             try:
-                wait_for(lambda: any(r.is_finished for r in hidden_states_runs()), 300, "the automation run")
+                wait_for(lambda: any(r.is_finished for r in hidden_states_runs()), 600, "the automation run")
             except TimeoutError:
                 print(log.read_text()[-5000:])
                 raise

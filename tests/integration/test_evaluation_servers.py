@@ -110,7 +110,7 @@ def test_evaluation_settings_come_from_their_own_variables_and_the_generation_ke
         }
     )
     servers: EvaluationServersResource = resources["evaluation_servers"]
-    assert servers.api_key_env == resources["inference_server"].api_key_env == "EAGLE3_API_KEY"
+    assert servers.api_key() == resources["inference_server"].api_key() == "sk-shared"  # EAGLE3_API_KEY, no field
     options = evaluation_options(DraftEvaluationRunConfig(), servers, DataLayout.at(tmp_path))
     online = options.online_config
     assert (online.plain_url, online.draft_url, online.served_model_name) == (

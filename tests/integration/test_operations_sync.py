@@ -18,11 +18,14 @@ from support.operations import make_dagster_home, write_prompts
 
 
 def write_responses(layout: DataLayout, key: str, sample_ids: list[str], failed: int = 0) -> Path:
+    # the prompts' own messages: a file answering other prompts under these ids is stale (sync refuses it)
+    table = pl.read_parquet(layout.prompts_path, columns=["sample_id", "messages"])
+    messages = dict(zip(table["sample_id"].to_list(), table["messages"].to_list(), strict=True))
     rows = [
         {
             "sample_id": sid,
             "partition_key": key,
-            "messages": [{"role": "user", "content": sid}],
+            "messages": messages[sid],
             "reasoning": "r",
             "content": "c",
             "finish_reason": "stop" if i >= failed else None,

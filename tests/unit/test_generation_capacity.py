@@ -44,7 +44,8 @@ def test_parse_load_sums_engines_and_ignores_breakdowns() -> None:
 
 def test_one_engine_alone_reaches_its_target_and_holds_it() -> None:
     server = ServerAdmission(target=128)
-    assert server.update(own=0, load=ServerLoad(0, 0)) == 64  # first poll: the room may be contested
+    assert server.update(own=0, load=ServerLoad(0, 0)) == 0  # the first poll only looks (and joins the line)
+    assert server.update(own=0, load=ServerLoad(0, 0)) == 64  # the first claim: the room may be contested
     assert server.update(own=64, load=ServerLoad(64, 0)) == 128
     # Requests still on the wire (ours, not yet counted by the server) are not room for more.
     assert server.update(own=128, load=ServerLoad(120, 0)) == 128
@@ -52,6 +53,7 @@ def test_one_engine_alone_reaches_its_target_and_holds_it() -> None:
 
 def test_two_engines_starting_together_fill_the_target_once() -> None:
     a, b = ServerAdmission(128), ServerAdmission(128)
+    assert a.update(0, ServerLoad(0, 0)) == b.update(0, ServerLoad(0, 0)) == 0
     own_a, own_b = a.update(0, ServerLoad(0, 0)), b.update(0, ServerLoad(0, 0))
     assert own_a + own_b == 128
     for _ in range(5):
@@ -75,15 +77,13 @@ def test_a_newcomer_waits_then_takes_over_as_the_incumbent_drains() -> None:
     assert fresh.update(0, ServerLoad(124, 0)) == 0
 
 
-def test_behind_a_lower_key_only_room_nobody_takes_is_taken() -> None:
+def test_behind_a_lower_key_no_new_room_is_taken() -> None:
     behind = ServerAdmission(128)
     assert behind.update(0, ServerLoad(128, 0), first=False) == 0
-    # the first in line takes freed slots at its next poll: the one behind never sees lasting room
-    assert [behind.update(0, ServerLoad(load, 0), first=False) for load in (120, 128, 110, 128)] == [0] * 4
-    # the first in line stopped at its own target of 100 (or is stuck): after a second the room is taken
-    caps = [behind.update(0, ServerLoad(100, 0), first=False) for _ in range(5)]
-    assert caps == [0, 0, 0, 0, 28]  # the first poll only settles the drop, then 4 polls of lasting room
-    assert behind.update(28, ServerLoad(128, 0), first=True) == 28
+    # the first in line drains or stops short: the one behind still takes nothing new, keeps what it has
+    assert [behind.update(0, ServerLoad(load, 0), first=False) for load in (120, 100, 100, 100, 100)] == [0] * 5
+    assert behind.update(5, ServerLoad(105, 0), first=False) == 5
+    assert behind.update(5, ServerLoad(105, 0), first=True) == 28  # its turn: the whole room
 
 
 def test_an_overfull_server_is_shed_in_proportion() -> None:
