@@ -47,13 +47,27 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataLayout, Path]:
         fabricate_responses(layout, key, 48, min_words=20, max_words=40)
         extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
     build_vocab_mapping(layout, KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
+    _record_passed_checks(layout)
     return layout, verifier
+
+
+def _record_passed_checks(layout: DataLayout) -> None:
+    """What the responses and hidden_states assets record after their checks: draft_model trains only on partitions
+    whose checks passed (their real outcomes here; the responses were fabricated whole)."""
+    from eagle3_assets import lineage, storage
+    from eagle3_assets.hidden_states import check_finite, check_one_per_ok_response, check_token_ids
+
+    for key in KEYS:
+        digest = storage.file_digest(layout.responses_path(key))
+        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
+        checks = (check_token_ids, check_finite, check_one_per_ok_response)
+        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
 
 
 def _copy(src: DataLayout, dst: Path) -> DataLayout:
     import shutil
 
-    for asset in ("hidden_states", "vocab_mapping"):
+    for asset in ("synthetic_responses", "hidden_states", "vocab_mapping"):
         shutil.copytree(src.asset_dir(asset), dst / asset, ignore=shutil.ignore_patterns("_locks"))
     return DataLayout.at(dst)
 
