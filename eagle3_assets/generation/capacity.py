@@ -139,9 +139,9 @@ class ServerAdmission:
 
 class PartitionLine:
     """Key order among this pipeline's partition runs: only the lowest partition key that still has samples to
-    send and is *hungry* (below its target at some server) takes new room; the others keep what they hold and
-    wait. A partition at its own target leaves the line, so a lower key configured with a smaller target
-    does not idle the room it cannot use. One file per waiting or sending partition in
+    send takes new room; the others keep what they hold and wait. (Every partition of a pipeline has the
+    same targets; a lower key given a smaller one would leave the rest of the room idle until it has sent
+    its samples.) One file per waiting or sending partition in
     ``directory`` (under the data dir, which every run worker shares), touched at every poll; a file not touched
     for ``stale_s`` belongs to a dead run and is ignored.
 
@@ -265,17 +265,10 @@ class CapacityMonitor:
         if not pending:
             return
         pages = await asyncio.gather(*[self._fetch(e.url) for e in pending])
-        first = self.line is None or self.line.first(self.has_samples() and self._hungry())
+        first = self.line is None or self.line.first(self.has_samples())
         for endpoint, page in zip(pending, pages, strict=True):
             self._apply(endpoint, page, first)
         self.on_change()
-
-    def _hungry(self) -> bool:
-        """Below its target at some server it reads the load of (before the first poll: yes)."""
-        return any(
-            s.managed is not False and (s.polls == 0 or e.cap < s.target)
-            for e, s in ((e, self.servers[e.url]) for e in self.endpoints)
-        )
 
     def _apply(self, endpoint: Endpoint, page: tuple[int, str] | None, first: bool = True) -> None:
         server = self.servers[endpoint.url]
