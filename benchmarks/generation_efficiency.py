@@ -11,8 +11,14 @@ per-sequence token rate and heavy-tailed (lognormal) response lengths, this prin
 
 plus the engine's client CPU per request and its peak memory at two sizes (memory must not grow with N).
 
+Each engine run is a fresh subprocess (same server, same workload, one after the other), so no run inherits
+another's warm state. ``--before PATH`` also runs the engine of another checkout of this repository (e.g. a
+``git worktree`` of the previous commit) side by side, and prints this tree's CPU per request as a ratio of it.
+
     .venv/bin/python benchmarks/generation_efficiency.py            # the acceptance workload (~3 min)
     .venv/bin/python benchmarks/generation_efficiency.py --quick    # 500 requests, C=64 (~1 min)
+    git worktree add /tmp/before HEAD~1 && .venv/bin/python benchmarks/generation_efficiency.py --quick \
+        --before /tmp/before --before-transports openai          # before/after in one run
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# the project and its test support (tests/support: the fake server)
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+HERE = Path(__file__).resolve().parents[1]
+# the checkout whose engine runs: this one, or (in a child of --before) the one given
+ROOT = Path(os.environ.get("EAGLE3_BENCH_TREE") or HERE)
+# the project, and this checkout's test support (tests/support: the fake server)
+sys.path[:0] = [str(ROOT), str(HERE / "tests")]
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition  # noqa: E402
 from eagle3_assets.storage import DataLayout  # noqa: E402
@@ -119,6 +127,25 @@ async def _batch_then_gather(prompts: list[PromptToGenerate], base_url: str, arg
     return wall
 
 
+def engine_child(args: argparse.Namespace, base_url: str, transport: str) -> None:
+    """Run in a subprocess (with EAGLE3_BENCH_TREE naming the checkout): one engine run, its numbers as JSON."""
+    import polars  # noqa: F401  - a Dagster process has it loaded already; not charged to the run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = run_engine(make_prompts(args.requests), base_url, args, Path(tmp), transport=transport)
+    print(json.dumps(engine))
+
+
+def run_engine_in(tree: Path, args: argparse.Namespace, base_url: str, transport: str) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--requests", str(args.requests), "--concurrency", str(args.concurrency)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--engine-child", base_url, transport]
+    if args.stream:
+        cmd.append("--stream")
+    env = {**os.environ, "EAGLE3_BENCH_TREE": str(tree), "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transport: str) -> None:
     """Run in a subprocess: peak RSS growth during the pool, and during the final Parquet write."""
     prompts = make_prompts(n, tag=f"memory{n}")
@@ -162,7 +189,7 @@ def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transpor
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=128)
@@ -176,13 +203,23 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--transports",
-        default="openai,aiohttp",
-        help="engine transports to run, comma-separated (openai = openai.AsyncOpenAI)",
+        default="aiohttp,openai",
+        help="engine transports to run, comma-separated (aiohttp = the default; openai = stock openai.AsyncOpenAI)",
     )
+    parser.add_argument("--before", type=Path, help="another checkout whose engine runs side by side (baseline)")
+    parser.add_argument("--before-transports", default="openai", help="its transports, comma-separated")
     parser.add_argument("--memory-sizes", default="1000,4000")
     parser.add_argument("--quick", action="store_true", help="500 requests, C=64, baseline on the same")
     parser.add_argument("--memory-child", nargs=2, metavar=("N", "URL"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--engine-child", nargs=2, metavar=("URL", "TRANSPORT"), help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.engine_child:
+        engine_child(args, *args.engine_child)
+        return
     if args.memory_child:
         memory_child(
             int(args.memory_child[0]),
@@ -194,7 +231,14 @@ def main() -> None:
         return
     if args.quick:
         args.requests, args.concurrency = 500, 64
+    compare_engines(args)
+    sizes = [int(s) for s in args.memory_sizes.split(",") if s]
+    if sizes:
+        report_memory(args, sizes)
 
+
+def compare_engines(args: argparse.Namespace) -> None:
+    """Every engine run of the command line against one fake server, then the table and the verdicts."""
     fake = FakeConfig(
         token_rate=args.rate,
         median_tokens=args.median_tokens,
@@ -214,40 +258,35 @@ def main() -> None:
         f"{'streaming' if args.stream else 'non-streaming'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     )
 
-    # generate_partition imports polars lazily for the final Parquet; a Dagster process has it loaded already, and
-    # whichever transport ran first would be charged for the import
-    import polars  # noqa: F401
-
     rows: list[tuple[str, float, str]] = [("ideal sum(d)/C", ideal, ""), ("in-order ceiling", ceiling, "")]
     verdicts = []
-    transports = [t for t in args.transports.split(",") if t]
+    runs = [("", ROOT, t) for t in args.transports.split(",") if t]
+    if args.before is not None:
+        runs = [("before ", args.before.resolve(), t) for t in args.before_transports.split(",") if t] + runs
+    cpu_of: dict[str, float] = {}
     with FakeServerProcess(fake) as server:
-        for transport in transports:
+        for label, tree, transport in runs:
             server.reset_stats()
             server_cpu0 = server.cpu_seconds()
-            with tempfile.TemporaryDirectory() as tmp:
-                engine = run_engine(prompts, server.base_url, args, Path(tmp), transport=transport)
+            engine = run_engine_in(tree, args, server.base_url, transport)
             server_cpu = server.cpu_seconds() - server_cpu0
             assert server.stats()["total_requests"] == args.requests
-            cpu = engine["cpu_ms_per_request"]
+            cpu = cpu_of[f"{label}{transport}"] = engine["cpu_ms_per_request"]
+            name = f"{label}engine [{transport}]"
             rows.append(
                 (
-                    f"engine [{transport}]: request pool",
+                    f"{name}: request pool",
                     engine["pool_s"],
                     f"client CPU {cpu:.2f} ms/request (whole call), server CPU "
                     f"{1000 * server_cpu / args.requests:.2f} ms/request",
                 )
             )
             rows.append(
-                (
-                    f"engine [{transport}]: generate_partition",
-                    engine["wall_s"],
-                    "end to end: + client setup, preflight, final Parquet, cleanup",
-                )
+                (f"{name}: generate_partition", engine["wall_s"], "end to end: + setup, preflight, final Parquet")
             )
             ratio = ceiling / engine["pool_s"]
             verdicts.append(
-                f"  [{transport}] {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
+                f"  {name} {'PASS' if ratio >= 0.97 and cpu <= 2.0 else 'FAIL'}: "
                 f"{ratio:.3f} of the ceiling at {cpu:.2f} ms client CPU/request"
             )
         if not args.skip_baseline:
@@ -257,45 +296,53 @@ def main() -> None:
             rows.append(("batch-then-gather (SDK create + gather)", wall, note))
 
     print()
-    print(f"{'':42s} {'wall s':>8s} {'ideal/wall':>11s} {'ceiling/wall':>13s}")
+    print(f"{'':48s} {'wall s':>8s} {'ideal/wall':>11s} {'ceiling/wall':>13s}")
     for name, wall, note in rows:
-        print(f"{name:42s} {wall:8.2f} {ideal / wall:11.3f} {ceiling / wall:13.3f}  {note}")
+        print(f"{name:48s} {wall:8.2f} {ideal / wall:11.3f} {ceiling / wall:13.3f}  {note}")
     print(
         f"\nacceptance 4 (request pool >= 0.97 of the in-order ceiling at <= 2 ms client CPU/request; "
         f"load now {os.getloadavg()[0]:.1f}):"
     )
     print("\n".join(verdicts))
-
-    sizes = [int(s) for s in args.memory_sizes.split(",") if s]
-    if sizes:
-        mem_fake = FakeConfig(token_rate=20000, median_tokens=args.median_tokens, sigma=args.sigma, seed=args.seed)
-        results = []
-        with FakeServerProcess(mem_fake) as server:
-            for n in sizes:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--concurrency",
-                    str(c),
-                    "--transports",
-                    transports[0],
-                    "--memory-child",
-                    str(n),
-                    server.base_url,
-                ]
-                if args.stream:
-                    cmd.append("--stream")
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                results.append(json.loads(out.strip().splitlines()[-1]))
-        print(
-            "\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
-            "assembled from the journal, so that phase holds one partition's rows by design):"
-        )
-        for r in results:
+    for before in (k for k in cpu_of if k.startswith("before ")):
+        for after in (k for k in cpu_of if not k.startswith("before ")):
             print(
-                f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
-                f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)"
+                f"  client CPU/request, [{after}] / [{before}]: {cpu_of[after] / cpu_of[before]:.2f} "
+                f"({cpu_of[after]:.2f} vs {cpu_of[before]:.2f} ms)"
             )
+
+
+def report_memory(args: argparse.Namespace, sizes: list[int]) -> None:
+    """Peak RSS growth of the first transport's engine at each size, each in a fresh process."""
+    c = args.concurrency
+    mem_fake = FakeConfig(token_rate=20000, median_tokens=args.median_tokens, sigma=args.sigma, seed=args.seed)
+    results = []
+    with FakeServerProcess(mem_fake) as server:
+        for n in sizes:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--concurrency",
+                str(c),
+                "--transports",
+                args.transports.split(",")[0],
+                "--memory-child",
+                str(n),
+                server.base_url,
+            ]
+            if args.stream:
+                cmd.append("--stream")
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    print(
+        "\npeak RSS growth of a generate_partition run (fresh process, above its start; the final Parquet is "
+        "assembled from the journal, so that phase holds one partition's rows by design):"
+    )
+    for r in results:
+        print(
+            f"  N={r['n']:>6}: request pool +{r['pool_growth_mb']:.1f} MiB, whole call incl. final Parquet "
+            f"+{r['peak_growth_mb']:.1f} MiB (process base {r['base_mb']:.0f} MiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -76,21 +76,30 @@ def _instance():  # type: ignore[no-untyped-def]
     return dg.DagsterInstance.get()
 
 
+BACKFILL_WITHOUT_MISSING = """\
+eagle3 backfill: add --missing. This command launches ONE backfill of the partitions that are missing or
+failed in Dagster (plus their partitioned downstream), so a re-run never regenerates finished partitions:
+    eagle3 backfill --missing --dry-run             # list what would be launched
+    eagle3 backfill --missing                       # launch it (the daemon of `make dev` runs it)
+    eagle3 backfill --missing --partitions 00003    # only these partitions
+To re-materialize partitions that are already done, select them in the UI (asset > Partitions >
+Materialize) or use `dagster asset materialize --select ASSET --partition KEY`."""
+
+
 def cmd_backfill(args: argparse.Namespace) -> int:
     from eagle3_assets.operations import backfill
 
     if not args.missing:
-        print(
-            "eagle3 backfill: only --missing is supported (full backfills: the UI or `dagster job backfill`)",
-            file=sys.stderr,
-        )
+        print(BACKFILL_WITHOUT_MISSING, file=sys.stderr)
         return 2
     partitions = [k.strip() for k in args.partitions.split(",") if k.strip()] if args.partitions else None
     # --json: only the JSON document on stdout (messages for people go to stderr).
     say = (lambda text: print(text, file=sys.stderr)) if args.json else print
     with _instance() as instance:
         try:
-            plan = backfill.plan_missing(instance, args.asset, partitions, downstream=not args.no_downstream)
+            plan = backfill.plan_missing(
+                instance, args.asset, partitions, downstream=not args.no_downstream, layout=_layout(args)
+            )
         except (KeyError, ValueError) as error:
             print(f"eagle3 backfill: {error.args[0] if error.args else error}", file=sys.stderr)
             return 2
@@ -99,6 +108,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             "dry_run": args.dry_run,
             "targets": plan.targets,
             "status": plan.status,
+            "stale": plan.stale,
             "backfill_id": None,
         }
         if not plan.registered:
@@ -138,7 +148,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                     "partition": v.partition_key,
                     "path": str(v.path),
                     "reason": v.reason,
-                    "rows": v.metadata.get("dg.row_count"),
+                    "rows": v.metadata.get("rows"),
                 }
                 for v in verdicts
             ]
@@ -164,7 +174,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 f"partition keys: {', '.join(report.registered_partitions)}"
             )
         for v in report.recorded:
-            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('dg.row_count')} rows)")
+            print(f"{verb}: {v.asset} {v.partition_key or ''} ({v.metadata.get('rows')} rows)")
         for v in report.skipped_failed:
             print(f"skipped: {v.asset} {v.partition_key}: Dagster records a failed run; --include-failed records it")
         for v in report.invalid:
@@ -192,13 +202,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
-    from eagle3_assets.defs.resources import settings_markdown, settings_resources
+    from eagle3_assets.defs.resources import settings_classes, settings_markdown
 
     if args.markdown:
         print(settings_markdown())
         return 0
     bad = 0
-    for cls in settings_resources().values():
+    for cls in settings_classes():
         values, errors = settings.from_environ(cls)
         for field in settings.declared(cls):
             if field.secret:
@@ -244,7 +254,10 @@ FORWARDED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eagle3_assets import __version__
+
     parser = argparse.ArgumentParser(prog="eagle3", description="Operate the eagle3-assets pipeline.")
+    parser.add_argument("--version", action="version", version=f"eagle3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     counts = sub.add_parser("counts", help="rows per partition of every partitioned asset (DuckDB)")
@@ -257,20 +270,25 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
 
     sample = sub.add_parser("sample-data", help="rebuild the shipped sample prompt dataset")
-    sample.add_argument("out")
-    sample.add_argument("--count", type=int, default=3000)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("out", help="JSONL file to write")
+    sample.add_argument("--count", type=int, default=3000, help="prompts to write (default: %(default)s)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     sample.set_defaults(func=cmd_sample_data)
 
     backfill = sub.add_parser(
         "backfill", help="launch ONE daemon backfill of the missing/failed partitions (visible in the UI)"
     )
-    backfill.add_argument("--missing", action="store_true", help="only partitions missing or failed in Dagster")
+    backfill.add_argument(
+        "--missing",
+        action="store_true",
+        help="required: only partitions missing or failed in Dagster, or whose prompts changed or checks failed",
+    )
     backfill.add_argument("--asset", default="synthetic_responses", help="anchor asset (default: %(default)s)")
     backfill.add_argument("--partitions", help="comma-separated keys to consider (default: all registered)")
     backfill.add_argument("--no-downstream", action="store_true", help="leave partitioned descendants out")
     backfill.add_argument("--dry-run", action="store_true", help="list what would be launched")
     backfill.add_argument("--json", action="store_true", help="also print the plan as JSON")
+    backfill.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR (for partitions whose prompts changed)")
     backfill.set_defaults(func=cmd_backfill)
 
     sync_parser = sub.add_parser("sync", help="record valid partition files on disk as materialized in Dagster")
@@ -289,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (module, help_text) in FORWARDED.items():
         forward = sub.add_parser(name, help=help_text, add_help=False)
-        forward.add_argument("rest", nargs=argparse.REMAINDER)
+        forward.add_argument("rest", nargs=argparse.REMAINDER, help=f"arguments of `eagle3 {name}` (see its --help)")
         forward.set_defaults(func=_forward(module))
     return parser
 

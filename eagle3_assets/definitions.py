@@ -9,14 +9,17 @@ from __future__ import annotations
 import dagster as dg
 
 from eagle3_assets.defs import draft, evaluation, hidden_states, prompts, responses
+from eagle3_assets.defs.automation import code_location_settings, with_automation
 from eagle3_assets.defs.resources import default_resources
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
     modules = [prompts, responses, hidden_states, draft, evaluation]
+    assets, sensors = with_automation(dg.load_assets_from_modules(modules), code_location_settings())
     return dg.Definitions(
-        assets=dg.load_assets_from_modules(modules),
+        assets=assets,
         asset_checks=dg.load_asset_checks_from_modules(modules),
+        sensors=sensors,
         resources=resources if resources is not None else default_resources(),
         # One partition is one process: the steps of a partition run share it instead of paying a
         # subprocess start each (see benchmarks/partition_overhead.py).

@@ -2,7 +2,9 @@
 
 Builds the tiny verifier, starts the local CPU vLLM on it, materializes every asset of the definitions
 (every partition of the partitioned ones) into the Dagster instance at DAGSTER_HOME, so ``make dev``
-shows the runs afterwards, prints the DuckDB counts and a timing table, and stops the server.
+shows the runs afterwards, prints the DuckDB counts and a timing table, and stops the server. The terminal
+gets one progress line per stage and partition; Dagster's event log and every library's output go to
+EAGLE3_DATA_DIR/_logs/demo.log, named at the start and the end.
 Paths come from EAGLE3_DATA_DIR (data, the tiny model, server logs) and DAGSTER_HOME.
 """
 
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets import settings
 
@@ -42,16 +47,9 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
         "num_threads": 2,
     },
     # Two vLLM start-ups (trained and untrained draft) dominate; keep the generation short. The plain verifier
-    # is the demo's own server (plain_url, set at run time).
+    # is the demo's own server (EAGLE3_EVAL_PLAIN_URL, set once it runs).
     "draft_evaluation": {"prompts": 16, "max_tokens": 96, "offline_max_samples": 64},
 }
-
-
-def demo_asset_config(name: str, base_url: str, served_model_name: str) -> dict[str, object] | None:
-    config = DEMO_ASSET_CONFIG.get(name)
-    if name == "draft_evaluation" and config is not None:
-        config = {**config, "plain_url": base_url, "served_model_name": served_model_name}
-    return config
 
 
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
@@ -62,17 +60,112 @@ def _print_table(rows: list[tuple[str, str, float]]) -> None:
     print(f"{'total'.ljust(width)}  {'':>10}  {sum(s for _, _, s in rows):8.1f}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3 demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("EAGLE3_DEMO_PORT", "8000")))
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("EAGLE3_DEMO_PORT", "8000")),
+        help="port of the local vLLM server on 127.0.0.1 (default: $EAGLE3_DEMO_PORT or 8000)",
+    )
     parser.add_argument("--keep-server", action="store_true", help="leave the vLLM server running")
-    args = parser.parse_args(list(argv or []))
+    return parser
 
+
+@contextmanager
+def output_to(log_path: Path) -> Iterator[Callable[[str], None]]:
+    """Send everything written to fd 1 and 2 (Dagster's console events, library prints and warnings) to
+    ``log_path``; yield a function that prints one line on the terminal."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    with open(log_path, "a", encoding="utf-8", buffering=1) as log:
+        os.dup2(log.fileno(), 1)  # subprocesses and C extensions
+        os.dup2(log.fileno(), 2)
+        try:
+            with redirect_stdout(log), redirect_stderr(log):  # Python-level writers, wherever sys.stdout pointed
+                yield lambda line: print(line, file=terminal, flush=True)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            terminal.close()
+
+
+def _failure(result: Any) -> str:
+    """The first step failure's message (the full stack trace is in the log file)."""
+    for event in result.all_events:
+        error = getattr(event.event_specific_data, "error", None)
+        if error is not None and error.message:
+            line = error.message.strip().splitlines()[0]
+            prefix, _, rest = line.partition(": ")  # "package.module.ErrorClass: text" -> "text"
+            return (rest if rest and " " not in prefix else line)[:300]
+    return "failed"
+
+
+def _rows(result: Any) -> str:
+    for event in result.get_asset_materialization_events():
+        metadata = event.materialization.metadata
+        for key in ("dagster/partition_row_count", "dagster/row_count"):
+            if key in metadata:
+                return f", {metadata[key].value} rows"
+    return ""
+
+
+def run_stages(
+    defs: Any,
+    instance: Any,
+    say: Callable[[str], None],
+    run_config_for: Callable[[str], dict[str, Any] | None],
+    only: Sequence[str] | None = None,
+) -> list[tuple[str, str, float]]:
+    """Materialize every asset (every partition of the partitioned ones) in dependency order, one progress
+    line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows."""
+    import dagster as dg
+
+    from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+
+    graph = defs.resolve_asset_graph()
+    assets = list(defs.assets or [])
+    timings: list[tuple[str, str, float]] = []
+    for key in graph.toposorted_asset_keys:
+        name = key.to_user_string()
+        if only is not None and name not in only:
+            continue
+        run_config = run_config_for(name)
+        partitioned = graph.get(key).partitions_def is not None
+        keys = instance.get_dynamic_partitions(PROMPT_PARTITIONS.name) if partitioned else [None]
+        started = time.monotonic()
+        for i, partition_key in enumerate(keys, start=1):
+            step = time.monotonic()
+            result = dg.materialize(
+                assets,
+                selection=[key],
+                partition_key=partition_key,
+                instance=instance,
+                resources=defs.resources,
+                run_config=run_config,
+                raise_on_error=False,
+            )
+            where = f" partition {partition_key} ({i}/{len(keys)})" if partition_key else ""
+            if not result.success:
+                say(f"{name}{where}: FAILED: {_failure(result)}")
+                raise SystemExit(f"{name} failed (run {result.run_id}); fix it, then re-run make demo")
+            say(f"{name}{where}: ok in {time.monotonic() - step:.1f} s{_rows(result)}")
+        timings.append((name, str(len(keys)) if partitioned else "-", time.monotonic() - started))
+    return timings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv or []))
     import dagster as dg
 
     from eagle3_assets.defs.resources import env_value
-    from eagle3_assets.local.tiny_model import build_tiny_model
-    from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     for key, value in DEMO_ENV.items():
         os.environ.setdefault(key, value)
@@ -82,72 +175,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("EAGLE3_VLLM_BASE_URL", f"http://127.0.0.1:{args.port}/v1")
     if "DAGSTER_HOME" not in os.environ:
         raise settings.ConfigError("DAGSTER_HOME='': set it (the Makefile uses ./dagster_home)")
+    log_path = data_dir / "_logs" / "demo.log"
+    log_path.unlink(missing_ok=True)
+    print(f"eagle3 demo: the full Dagster event log goes to {log_path}")
+    try:
+        with output_to(log_path) as say:
+            timings, server = _setup(verifier, data_dir, args.port, say)
+            # draft_evaluation measures the plain verifier on the demo's own server
+            os.environ.setdefault("EAGLE3_EVAL_PLAIN_URL", server.base_url)
+            os.environ.setdefault("EAGLE3_EVAL_MODEL", server.model_name)
+            from eagle3_assets.definitions import build_definitions
+
+            try:
+                defs = build_definitions()
+                with dg.DagsterInstance.get() as instance:
+                    timings += run_stages(defs, instance, say, _run_config)
+            finally:
+                if not args.keep_server:
+                    server.stop()
+    except BaseException:
+        print(f"eagle3 demo stopped; the full log is {log_path}", file=sys.stderr)
+        raise
+    _summary(data_dir, timings, log_path)
+    return 0
+
+
+def _run_config(name: str) -> dict[str, Any] | None:
+    asset_config = DEMO_ASSET_CONFIG.get(name)
+    return {"ops": {name: {"config": asset_config}}} if asset_config is not None else None
+
+
+def _setup(verifier: Path, data_dir: Path, port: int, say: Callable[[str], None]) -> tuple[list, Any]:
+    """The tiny verifier (built once) and the local vLLM serving it."""
+    from eagle3_assets.local.tiny_model import build_tiny_model
+    from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     timings: list[tuple[str, str, float]] = []
     started = time.monotonic()
     if not (verifier / "config.json").exists():
         build_tiny_model(verifier, seed=0)
     timings.append(("tiny verifier", "-", time.monotonic() - started))
-    print(f"verifier: {verifier}")
-
+    say(f"verifier: {verifier}")
     started = time.monotonic()
     server = LocalVLLMServer(
-        model=verifier, port=args.port, log_dir=data_dir / "_logs", reuse_existing=True, served_model_name="tiny"
+        model=verifier, port=port, log_dir=data_dir / "_logs", reuse_existing=True, served_model_name="tiny"
     )
     server.start()
     timings.append(("vLLM start-up", "-", time.monotonic() - started))
-    print(f"vLLM serving {server.model_name} at {server.base_url} (log: {server.log_path})")
+    say(f"vLLM serving {server.model_name} at {server.base_url} (log: {server.log_path})")
+    return timings, server
 
-    from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 
-    try:
-        defs = build_definitions()
-        graph = defs.resolve_asset_graph()
-        assets = list(defs.assets or [])
-        instance = dg.DagsterInstance.get()
-        for key in graph.toposorted_asset_keys:
-            node = graph.get(key)
-            name = key.to_user_string()
-            started = time.monotonic()
-            asset_config = demo_asset_config(name, server.base_url, server.model_name)
-            run_config = {"ops": {name: {"config": asset_config}}} if asset_config is not None else None
-            if node.partitions_def is None:
-                result = dg.materialize(
-                    assets, selection=[key], instance=instance, resources=defs.resources, run_config=run_config
-                )
-                partitions = "-"
-                ok = result.success
-            else:
-                keys = instance.get_dynamic_partitions(PROMPT_PARTITIONS.name)
-                ok = True
-                for partition_key in keys:
-                    print(f"materializing {name} partition {partition_key}")
-                    result = dg.materialize(
-                        assets,
-                        selection=[key],
-                        partition_key=partition_key,
-                        instance=instance,
-                        resources=defs.resources,
-                        raise_on_error=False,
-                    )
-                    ok = ok and result.success
-                partitions = str(len(keys))
-            timings.append((name, partitions, time.monotonic() - started))
-            print(f"{name}: {'ok' if ok else 'FAILED'} in {timings[-1][2]:.1f} s")
-            if not ok:
-                raise SystemExit(f"{name} failed; see the run in the UI (make dev) and fix, then re-run make demo")
-    finally:
-        if not args.keep_server:
-            server.stop()
-
+def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Path) -> None:
     print(f"\nrows per partition (DuckDB over {data_dir}):")
     from eagle3_assets.cli import main as cli_main
 
     cli_main(["counts", "--data-dir", str(data_dir)])
     evaluation = data_dir / "draft_evaluation" / "report.md"
     if evaluation.exists():
-        print("\n" + evaluation.read_text())
+        print("\n" + evaluation.read_text().strip())
     _print_table(timings)
-    print(f"\nOpen the UI on this data: make dev  (http://127.0.0.1:3000, DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
-    return 0
+    print(f"\nfull Dagster event log: {log_path}")
+    print(f"Open the UI on this data: make dev  (http://127.0.0.1:3000, DAGSTER_HOME={os.environ['DAGSTER_HOME']})")

@@ -315,10 +315,12 @@ def build_prompt_table(
     if layout.prompts_path.exists():
         manifest = storage.read_json(layout.prompts_manifest_path) if layout.prompts_manifest_path.exists() else {}
         old_size = manifest.get("partition_size", partition_size)
-        if old_size != partition_size and layout.partition_files("synthetic_responses"):
+        generated = layout.generated_partitions()  # finished files and half-generated journals alike
+        if old_size != partition_size and generated:
             raise ConfigError(
                 f"EAGLE3_PARTITION_SIZE={partition_size!r}: the data in {layout.root} was partitioned with "
-                f"{old_size}; changing it would move generated samples between partitions. Use a new "
+                f"{old_size} and partition(s) {', '.join(generated[:5])} hold generated work (finished or "
+                f"in progress); changing it would move generated samples between partitions. Use a new "
                 f"EAGLE3_DATA_DIR or set EAGLE3_PARTITION_SIZE={old_size}."
             )
         old = pl.read_parquet(layout.prompts_path, columns=["sample_id", "position"])

@@ -89,6 +89,9 @@ def check_optional_base_urls(key: str, value: str) -> list[str]:
     return check_base_urls(key, value) if str(value).strip() else []
 
 
+check_optional_base_urls.allowed = "http(s) URL, or empty"  # type: ignore[attr-defined]
+
+
 def parse_layer_ids(key: str, value: object) -> list[int] | None:
     """``""`` means the EAGLE-3 default [2, N//2, N-3]; otherwise comma-separated layer ids."""
     text = str(value).strip()
@@ -330,10 +333,13 @@ def _default_text(field: Declared) -> str:
 def markdown_table(classes: Iterable[type]) -> str:
     """The configuration table of every ``EAGLE3_*`` variable, generated from the declarations."""
     lines = ["| Variable | Default | Allowed | Meaning | Field |", "|---|---|---|---|---|"]
+    secrets_listed = set()
     for cls in classes:
         for field in declared(cls):
-            if field.env is None and not field.secret:
+            if (field.env is None and not field.secret) or (field.secret and field.default in secrets_listed):
                 continue
+            if field.secret:
+                secrets_listed.add(field.default)
             if field.secret:
                 key, allowed = str(field.default), "secret, read when a run starts; never logged or stored"
             else:

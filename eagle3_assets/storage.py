@@ -7,6 +7,9 @@ Every file a stage writes goes through this module. Layout under the data direct
     raw_prompts/manifest.json              partition size and counts of the last materialization
     synthetic_responses/{key}.parquet      one finished partition of responses
     synthetic_responses/_in_progress/{key}.jsonl   append-only log of a partition being generated
+    synthetic_responses/_manifests/{key}.json      lineage: the request settings every row answers, digests
+    synthetic_responses/_superseded/{key}.parquet  ok rows of earlier settings, reused if those come back
+    {asset}/_lineage/{key}.json            data version, inputs and check outcomes of a partition (lineage.py)
     hidden_states/{key}.parquet            per-sample index of a finished hidden-states partition
     hidden_states/{key}/                   speculators' offline layout for that partition
     vocab_mapping/                         d2t.npy, t2d.npy, token_freq.pt
@@ -76,6 +79,15 @@ class DataLayout:
     def responses_in_progress_path(self, partition_key: str) -> Path:
         return self.asset_dir("synthetic_responses") / "_in_progress" / f"{partition_key}.jsonl"
 
+    def responses_manifest_path(self, partition_key: str) -> Path:
+        return self.asset_dir("synthetic_responses") / "_manifests" / f"{partition_key}.json"
+
+    def responses_superseded_path(self, partition_key: str) -> Path:
+        return self.asset_dir("synthetic_responses") / "_superseded" / f"{partition_key}.parquet"
+
+    def lineage_path(self, asset: str, partition_key: str) -> Path:
+        return self.asset_dir(asset) / "_lineage" / f"{partition_key}.json"
+
     # hidden_states
     def hidden_states_index_path(self, partition_key: str) -> Path:
         return self.asset_dir("hidden_states") / f"{partition_key}.parquet"
@@ -106,6 +118,23 @@ class DataLayout:
         if not folder.is_dir():
             return {}
         return {p.stem: p for p in sorted(folder.glob("*.parquet"))}
+
+    def in_progress_partitions(self) -> dict[str, Path]:
+        """Journals of ``synthetic_responses`` partitions being (or left half) generated, by partition key."""
+        folder = self.responses_in_progress_path("_").parent
+        if not folder.is_dir():
+            return {}
+        return {p.stem: p for p in sorted(folder.glob("*.jsonl"))}
+
+    def generated_partitions(self) -> list[str]:
+        """Keys that hold generated work in any form: a finished file of a partitioned asset or a journal.
+
+        Anything keyed by partition must be kept where it is: re-partitioning would give these keys other samples.
+        """
+        keys = set(self.in_progress_partitions())
+        for asset in PARTITIONED_ASSETS:
+            keys |= set(self.partition_files(asset))
+        return sorted(keys)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -249,6 +278,17 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
 
 def write_json_atomic(obj: Any, path: Path) -> None:
     write_bytes_atomic(json.dumps(obj, indent=2, sort_keys=True).encode(), path)
+
+
+def file_digest(path: Path, length: int = 32) -> str:
+    """sha256 of a file's bytes (streamed), as ``length`` hex characters: a content hash for data versions."""
+    import hashlib
+
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()[:length]
 
 
 def read_json(path: Path) -> Any:

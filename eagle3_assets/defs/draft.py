@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import dagster as dg
 
 from eagle3_assets import settings
+from eagle3_assets.defs import metadata
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.settings import setting
@@ -15,10 +16,19 @@ if TYPE_CHECKING:
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
-    keys = sorted(data_store.layout.partition_files("hidden_states"))
+    from eagle3_assets.lineage import partitions_passing_checks
+
+    # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
+    keys, excluded = partitions_passing_checks(
+        data_store.layout, sorted(data_store.layout.partition_files("hidden_states"))
+    )
+    for key, why in excluded.items():
+        dg.get_dagster_logger().warning(f"hidden_states partition {key} left out of training: {why}")
     if not keys:
+        why = f" ({len(excluded)} left out: {dict(list(excluded.items())[:3])})" if excluded else ""
         raise FileNotFoundError(
-            f"no hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}: materialize them first"
+            f"no usable hidden_states partitions under {data_store.layout.asset_dir('hidden_states')}{why}: "
+            "materialize them (and their synthetic_responses) until their checks pass"
         )
     return keys
 
@@ -70,6 +80,7 @@ def vocab_mapping(
             "coverage": dg.MetadataValue.float(round(result.coverage, 6)),
             "partitions": dg.MetadataValue.json(result.partitions),
             "held_out_partition": val_key,
+            metadata.ROW_COUNT: dg.MetadataValue.int(result.draft_vocab_size),  # rows of d2t: one per draft token
             "notes": dg.MetadataValue.json(result.notes),
             "path": dg.MetadataValue.path(str(result.d2t_path.parent)),
         }
@@ -144,11 +155,19 @@ def draft_model(
         log=context.log.info,
     )
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
-    per_epoch = "\n".join(
-        f"| {i + 1} | {train:.4f} | {val:.4f} | {acc:.3f} |"
-        for i, (train, val, acc) in enumerate(
-            zip(result.train_loss, result.val_loss, result.val_acceptance_length, strict=False)
-        )
+    per_epoch = metadata.table(
+        (
+            {"epoch": i + 1, "train_loss": train, "val_loss": val, "val_acceptance_length": acc}
+            for i, (train, val, acc) in enumerate(
+                zip(result.train_loss, result.val_loss, result.val_acceptance_length, strict=False)
+            )
+        ),
+        [
+            ("epoch", "int", "Epoch (1-based)."),
+            ("train_loss", "float", "Mean training loss of the epoch."),
+            ("val_loss", "float", "Loss on the held-out partition after the epoch."),
+            ("val_acceptance_length", "float", "Acceptance length estimated from the per-step accuracies."),
+        ],
     )
     return dg.MaterializeResult(
         metadata={
@@ -169,9 +188,7 @@ def draft_model(
             "draft_vocab_size": result.draft_vocab_size,
             "notes": dg.MetadataValue.json(result.notes),
             "path": dg.MetadataValue.path(str(result.final_dir)),
-            "loss_per_epoch": dg.MetadataValue.md(
-                "| epoch | train loss | val loss | est. acceptance length |\n|---|---|---|---|\n" + per_epoch
-            ),
+            "loss_per_epoch": per_epoch,
             "loss_curve": dg.MetadataValue.md(
                 plots.lines_markdown(
                     {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"

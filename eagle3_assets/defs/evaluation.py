@@ -4,11 +4,17 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.defs.resources import (
+    DataStoreResource,
+    EvaluationServersResource,
+    SettingsConfig,
+    VerifierResource,
+)
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
     from eagle3_assets.evaluation.evaluate import EvaluationOptions
+    from eagle3_assets.evaluation.report import EvaluationReport
     from eagle3_assets.storage import DataLayout
 
 
@@ -29,14 +35,12 @@ class DraftEvaluationRunConfig(SettingsConfig):
         256, description="Stored samples simulated offline; empty: the whole held-out partition.", gt=0
     )
     untrained_baseline: bool = setting(True, description="Also measure an untrained draft of the same shape.")
-    # servers already running elsewhere (empty: start local CPU vLLM servers)
-    plain_url: str = setting("", description="Running server of the plain verifier; empty: start a local one.")
-    draft_url: str = setting("", description="Running server with the trained draft; empty: start a local one.")
-    served_model_name: str = setting("", description="Model id on those servers; empty: the verifier folder's name.")
 
 
-def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -> "EvaluationOptions":
-    """The core's EvaluationOptions from the asset's run config."""
+def evaluation_options(
+    config: DraftEvaluationRunConfig, servers: EvaluationServersResource, layout: "DataLayout"
+) -> "EvaluationOptions":
+    """The core's EvaluationOptions from the asset's run config and the evaluation servers resource."""
     from eagle3_assets.evaluation.evaluate import EvaluationOptions
     from eagle3_assets.evaluation.online import OnlineConfig
 
@@ -51,12 +55,44 @@ def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -
             prompts=config.prompts,
             max_tokens=config.max_tokens,
             concurrency=config.concurrency,
-            plain_url=config.plain_url or None,
-            draft_url=config.draft_url or None,
-            served_model_name=config.served_model_name or None,
+            plain_url=servers.plain_url.strip().rstrip("/") or None,
+            draft_url=servers.draft_url.strip().rstrip("/") or None,
+            served_model_name=servers.served_model_name or None,
+            api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),
     )
+
+
+def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
+    """One sortable row per (draft, method): acceptance length, acceptance per position, speed."""
+    from eagle3_assets.defs.metadata import table
+
+    positions = [f"acc_at_{j + 1}" for j in range(report.k)]
+    columns = [
+        ("draft", "string", "trained or untrained"),
+        ("method", "string", "online (vLLM speculative decoding) or offline (simulated from hidden states)"),
+        ("drafts", "int", "Proposals of k tokens measured."),
+        ("mean_acceptance_length", "float", "1 + accepted tokens per draft, in [1, k+1]."),
+        *[(n, "float", f"Drafts whose first {j + 1} tokens were accepted, share.") for j, n in enumerate(positions)],
+        ("tokens_per_second", "float", "Online: output tokens/s with this draft."),
+        ("speedup", "float", "Online: tokens/s over the plain verifier's."),
+    ]
+    records = []
+    for s in report.stats:
+        record = {
+            "draft": s.label,
+            "method": s.method,
+            "drafts": s.drafts,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            **{name: round(rate, 4) for name, rate in zip(positions, s.acceptance_rate_per_position, strict=False)},
+            "tokens_per_second": round(s.tokens_per_second, 2) if s.tokens_per_second is not None else None,
+            "speedup": None,
+        }
+        if s.method == "online" and (speedup := report.speedup(s.label)) is not None:
+            record["speedup"] = round(speedup, 3)
+        records.append(record)
+    return table(records, columns)
 
 
 # No pool: by default the asset starts (and stops) its own local vLLM servers, one at a time, and never sends
@@ -67,7 +103,8 @@ def evaluation_options(config: DraftEvaluationRunConfig, layout: "DataLayout") -
     kinds={"vllm", "pytorch"},
     description=(
         "Acceptance of the trained EAGLE-3 draft where it runs: vLLM speculative decoding (method eagle3, k "
-        "speculative tokens) on held-out prompts at temperature 0, read from vLLM's spec-decode counters, with "
+        "speculative tokens) on held-out prompts at temperature 0, counted from the per-request speculative metrics "
+        "of its own requests, with "
         "tokens/s with and without the draft and a greedy-identity check; the same figures simulated offline from "
         "the held-out partition's stored hidden states; and both for an untrained draft of the same shape."
     ),
@@ -77,17 +114,20 @@ def draft_evaluation(
     config: DraftEvaluationRunConfig,
     data_store: DataStoreResource,
     verifier: VerifierResource,
+    evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets import plots
     from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
-    options = evaluation_options(config, layout)
+    options = evaluation_options(config, evaluation_servers, layout)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
     metadata: dict = {
-        "table": dg.MetadataValue.md(report.markdown()),
+        "table": evaluation_table(report),
+        "dagster/row_count": dg.MetadataValue.int(len(report.stats)),
+        "report_markdown": dg.MetadataValue.md(report.markdown()),
         "k": report.k,
         "held_out_partition": report.held_out_partition or "",
         "report": dg.MetadataValue.path(str(layout.evaluation_dir / "report.json")),

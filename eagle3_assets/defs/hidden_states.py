@@ -6,9 +6,11 @@ import dagster as dg
 
 from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
+from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
+from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
@@ -49,15 +51,22 @@ def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResour
     deps=[synthetic_responses],
     group_name="hidden_states",
     kinds={"pytorch", "safetensors"},
+    code_version=HIDDEN_STATES_CODE_VERSION,
     description=(
         "For every ok response of the partition: the training conversation rendered with the verifier's "
         "chat template (loss mask on assistant tokens), run through the verifier, and its auxiliary hidden "
         "states plus the last layer's output stored in speculators' offline layout. Resumable per sample."
     ),
     check_specs=[
-        dg.AssetCheckSpec(TOKEN_IDS, asset="hidden_states", description="Stored token_ids equal input_ids."),
-        dg.AssetCheckSpec(FINITE, asset="hidden_states", description="No NaN or Inf in any stored tensor."),
-        dg.AssetCheckSpec(ONE_PER_OK, asset="hidden_states", description="One stored sample per ok response."),
+        dg.AssetCheckSpec(
+            TOKEN_IDS, asset="hidden_states", blocking=True, description="Stored token_ids equal input_ids."
+        ),
+        dg.AssetCheckSpec(
+            FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in any stored tensor."
+        ),
+        dg.AssetCheckSpec(
+            ONE_PER_OK, asset="hidden_states", blocking=True, description="One stored sample per ok response."
+        ),
     ],
 )
 def hidden_states(
@@ -73,6 +82,9 @@ def hidden_states(
         check_token_ids,
         extract_partition,
     )
+    from eagle3_assets.lineage import PartitionLineage, record_checks
+
+    _CHECKS = {TOKEN_IDS: check_token_ids, FINITE: check_finite, ONE_PER_OK: check_one_per_ok_response}
 
     layout = data_store.layout
     key = context.partition_key
@@ -82,9 +94,12 @@ def hidden_states(
     import polars as pl
 
     lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
+    recorded = PartitionLineage.load(layout, "hidden_states", key)
     yield dg.MaterializeResult(
+        data_version=dg.DataVersion(recorded.data_version) if recorded else None,
         metadata={
-            "dg.row_count": result.samples,
+            # one row per stored sample in the partition's index (the tensors are in safetensors files)
+            **parquet_table(result.index_path, result.samples, partitioned=True),
             "stored": result.stored,
             "skipped_existing": result.skipped_existing,
             "failed_responses_excluded": result.failed_responses_excluded,
@@ -104,11 +119,9 @@ def hidden_states(
             "sequence_length_histogram": dg.MetadataValue.md(
                 plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
             ),
-        }
+        },
     )
-    for name, check in (
-        (TOKEN_IDS, check_token_ids),
-        (FINITE, check_finite),
-        (ONE_PER_OK, check_one_per_ok_response),
-    ):
-        yield check_result(name, check(layout, key))
+    outcomes = {name: check(layout, key) for name, check in _CHECKS.items()}
+    record_checks(layout, "hidden_states", key, {name: outcome.passed for name, outcome in outcomes.items()})
+    for name, outcome in outcomes.items():
+        yield check_result(name, outcome)

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from eagle3_assets import plots, prompts
+from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
 
@@ -32,7 +33,7 @@ def raw_prompts(
     chars = result.prompt_chars
     return dg.MaterializeResult(
         metadata={
-            "dg.row_count": result.rows,
+            **parquet_table(result.table_path, result.rows, partitioned=False),
             "rows_read": result.rows_read,
             "rejects": result.rejects,
             "duplicates": result.duplicates,
@@ -41,7 +42,7 @@ def raw_prompts(
             "partitions": len(result.partition_keys),
             "new_partitions": dg.MetadataValue.text(", ".join(new_keys) or "none"),
             "partition_size": result.partition_size,
-            "reject_reasons": dg.MetadataValue.json(result.reject_reasons),
+            "reject_reasons": counts_table(result.reject_reasons, "reason"),
             "prompt_chars_p50": plots.percentile(chars, 50),
             "prompt_chars_p95": plots.percentile(chars, 95),
             "prompt_chars_max": max(chars, default=0),

@@ -9,6 +9,7 @@ resource fails when it starts, with the message naming the variable (``SettingsR
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,51 @@ class VerifierResource(SettingsResource):
         return path
 
 
+# The API key: generation (inference_server) and draft_evaluation (evaluation_servers) read the same variable, and
+# no config field names it: a launchpad user could otherwise send any variable of the run's process as a bearer
+# token. It is no field, so the configuration table gets its row from here.
+API_KEY_ENV = "EAGLE3_API_KEY"
+API_KEY_TABLE_ROW = (
+    f"| `{API_KEY_ENV}` | (empty) | secret, read when a run starts; never logged or stored | "
+    "API key for the server(s) (generation and evaluation); never logged or stored. | `defs.resources.API_KEY_ENV` |"
+)
+
+
+def read_api_key() -> str | None:
+    """The secret in ``EAGLE3_API_KEY``, read when a run needs it (never config)."""
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+class EvaluationServersResource(SettingsResource):
+    """vLLM servers already running for draft_evaluation (e.g. on a GPU cluster); empty: it starts its own.
+
+    A draft server must return per-request speculative metrics (vLLM ``--per-request-spec-decode-metrics
+    summary``): acceptance is counted from the evaluation's own responses, never from server-wide counters.
+    """
+
+    plain_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_PLAIN_URL",
+        description="draft_evaluation: running server of the plain verifier (`http://host:port/v1`); empty: start one.",
+        check=settings.check_optional_base_urls,
+    )
+    draft_url: str = setting(
+        "",
+        env="EAGLE3_EVAL_DRAFT_URL",
+        description=(
+            "draft_evaluation: running server of the verifier with the trained draft, started with "
+            "`--per-request-spec-decode-metrics summary`; empty: start one."
+        ),
+        check=settings.check_optional_base_urls,
+    )
+    served_model_name: str = setting(
+        "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
+    )
+
+    def api_key(self) -> str | None:
+        return read_api_key()
+
+
 def settings_resources() -> dict[str, type[SettingsResource]]:
     """Resource key -> class, for every resource built from the environment (the order of the README table)."""
     from eagle3_assets.defs.inference import RemoteVLLMResource
@@ -148,7 +194,15 @@ def settings_resources() -> dict[str, type[SettingsResource]]:
         "prompt_dataset": PromptDatasetResource,
         "inference_server": RemoteVLLMResource,
         "verifier": VerifierResource,
+        "evaluation_servers": EvaluationServersResource,
     }
+
+
+def settings_classes() -> list[type]:
+    """Every class that declares ``EAGLE3_*`` settings: the resources, then the code location's own."""
+    from eagle3_assets.defs.automation import CodeLocationSettings
+
+    return [*settings_resources().values(), CodeLocationSettings]
 
 
 def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -158,9 +212,12 @@ def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, obj
 
 def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:
     """The effective, validated value of one ``EAGLE3_*`` setting (raises ``ConfigError`` naming a bad one)."""
-    return settings.env_value(settings_resources().values(), key, environ)
+    return settings.env_value(settings_classes(), key, environ)
 
 
 def settings_markdown() -> str:
     """The README's configuration table (``eagle3 config --markdown``)."""
-    return settings.markdown_table(settings_resources().values())
+    table = settings.markdown_table(settings_classes()).splitlines()
+    # after the first inference-server setting (the served model), where a field would stand
+    at = next((i for i, line in enumerate(table) if "`RemoteVLLMResource." in line), len(table))
+    return "\n".join([*table[: at + 1], API_KEY_TABLE_ROW, *table[at + 1 :]])

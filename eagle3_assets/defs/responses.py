@@ -5,9 +5,11 @@ import dagster as dg
 from eagle3_assets import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
+from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
+from eagle3_assets.lineage import RESPONSES_CODE_VERSION
 from eagle3_assets.settings import setting
 
 COMPLETENESS = "responses_complete"
@@ -26,6 +28,7 @@ class ResponsesRunConfig(SettingsConfig):
     group_name="generation",
     kinds={"vllm", "openai", "parquet"},
     pool="vllm",
+    code_version=RESPONSES_CODE_VERSION,
     description=(
         "The target model's own answers (reasoning and content) for one 1,000-sample partition, generated "
         "through the OpenAI-compatible API with a continuously refilled request pool. Every finished sample "
@@ -33,8 +36,13 @@ class ResponsesRunConfig(SettingsConfig):
         "rest. One row per prompt: ok + failed == partition size."
     ),
     check_specs=[
-        dg.AssetCheckSpec(COMPLETENESS, asset="synthetic_responses", description="One row per prompt, no duplicates."),
-        dg.AssetCheckSpec(ERROR_RATE, asset="synthetic_responses", description="Failed share within the limit."),
+        # blocking: a partition that fails them fails its step, so nothing downstream runs on it
+        dg.AssetCheckSpec(
+            COMPLETENESS, asset="synthetic_responses", description="One row per prompt, no duplicates.", blocking=True
+        ),
+        dg.AssetCheckSpec(
+            ERROR_RATE, asset="synthetic_responses", description="Failed share within the limit.", blocking=True
+        ),
     ],
 )
 def synthetic_responses(
@@ -47,6 +55,7 @@ def synthetic_responses(
 
     from eagle3_assets.generation import generate_partition, partition_prompts
     from eagle3_assets.generation.checks import completeness_check, error_rate_check
+    from eagle3_assets.lineage import PartitionLineage
 
     layout = data_store.layout
     key = context.partition_key
@@ -57,9 +66,26 @@ def synthetic_responses(
 
     lengths = pl.read_parquet(result.path, columns=["completion_tokens", "status"]).filter(pl.col("status") == "ok")
     completion_lengths = lengths["completion_tokens"].drop_nulls().to_list()
+    outcomes = {
+        COMPLETENESS: completeness_check(result.path, [p.sample_id for p in prompts]),
+        ERROR_RATE: error_rate_check(result.path, config.max_error_rate),
+    }
+    PartitionLineage(
+        "synthetic_responses",
+        key,
+        result.data_version,
+        inputs={"settings_digest": result.settings_digest},
+        checks={name: outcome.passed for name, outcome in outcomes.items()},
+    ).save(layout)
+    if result.stale:
+        context.log.warning(f"{result.stale} stored rows answered another request and were generated again")
     yield dg.MaterializeResult(
+        data_version=dg.DataVersion(result.data_version),
         metadata={
-            "dg.row_count": result.total,
+            **parquet_table(result.path, result.total, partitioned=True),
+            "stale_regenerated": result.stale,
+            "stale_reasons": counts_table(result.stale_reasons, "reason"),
+            "settings_digest": result.settings_digest,
             "ok": result.ok,
             "failed": result.failed,
             "truncated": result.truncated,
@@ -75,18 +101,15 @@ def synthetic_responses(
             "wall_s": round(result.wall_s, 1),
             "model": result.model or "",
             "error_rate": result.error_rate,
-            "top_errors": dg.MetadataValue.json(result.top_errors),
-            "retry_reasons": dg.MetadataValue.json(result.retry_reasons),
+            "top_errors": counts_table(result.top_errors, "error"),
+            "retry_reasons": counts_table(result.retry_reasons, "reason"),
             "path": dg.MetadataValue.path(str(result.path)),
             "completion_length_histogram": dg.MetadataValue.md(
                 plots.histogram_markdown(completion_lengths, f"Completion length, partition {key}", "tokens")
             ),
-        }
+        },
     )
     if result.truncated:
         context.log.warning(f"{result.truncated} samples hit max_tokens (finish_reason == 'length')")
-    for name, outcome in (
-        (COMPLETENESS, completeness_check(result.path, [p.sample_id for p in prompts])),
-        (ERROR_RATE, error_rate_check(result.path, config.max_error_rate)),
-    ):
+    for name, outcome in outcomes.items():
         yield check_result(name, outcome)

@@ -21,15 +21,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default=None, help="held-out partition (default: the last hidden_states one)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts sent online (default 32)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per online request (default 128)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server (default 1)")
     p.add_argument("--offline-only", action="store_true", help="no vLLM: simulate from stored hidden states only")
     p.add_argument("--online-only", action="store_true", help="skip the offline simulation")
     p.add_argument("--no-untrained", action="store_true", help="skip the untrained-draft baseline")
     p.add_argument("--max-samples", type=int, default=256, help="stored samples simulated offline (0: all)")
-    p.add_argument("--plain-url", default=None, help="running server with the plain verifier (http://h:p/v1)")
-    p.add_argument("--draft-url", default=None, help="running server with the verifier + this draft")
-    p.add_argument("--served-model-name", default=None, help="model id on those servers")
+    p.add_argument("--plain-url", default=None, help="running plain verifier server (default: EAGLE3_EVAL_PLAIN_URL)")
+    p.add_argument(
+        "--draft-url",
+        default=None,
+        help="running server with the verifier + this draft, started with --per-request-spec-decode-metrics "
+        "summary (default: EAGLE3_EVAL_DRAFT_URL)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id on those servers (default: EAGLE3_EVAL_MODEL)")
     p.add_argument("--vllm-python", type=Path, default=None, help="vLLM interpreter for local servers")
     p.add_argument("--out", type=Path, default=None, help="report folder (default DATA_DIR/draft_evaluation)")
     p.add_argument("--json", action="store_true", help="print report.json instead of the table")
@@ -40,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import json
 
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets import settings
+    from eagle3_assets.defs.resources import EvaluationServersResource, env_value
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.report import write_report
@@ -50,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)
         return 2
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
+    settings.check_environ(EvaluationServersResource)  # a bad EAGLE3_EVAL_* value: the error naming it
+    servers = EvaluationServersResource.from_env()
     options = EvaluationOptions(
         k=args.k,
         online=not args.offline_only,
@@ -62,9 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_tokens=args.max_tokens,
             concurrency=args.concurrency,
             python=args.vllm_python,
-            plain_url=args.plain_url,
-            draft_url=args.draft_url,
-            served_model_name=args.served_model_name,
+            plain_url=args.plain_url or servers.plain_url or None,
+            draft_url=args.draft_url or servers.draft_url or None,
+            served_model_name=args.served_model_name or servers.served_model_name or None,
+            api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),
     )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_assets.evaluation.online import OnlineConfig
-from eagle3_assets.evaluation.report import EvaluationReport, OnlineRun, write_report
+from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
 from eagle3_assets.storage import DataLayout
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,38 @@ def training_init(draft_dir: Path) -> str | None:
     return init if isinstance(init, str) else None
 
 
+def _online(
+    layout: DataLayout,
+    partition: str | None,
+    draft_dir: Path,
+    untrained_dir: Path,
+    verifier_path: Path,
+    options: EvaluationOptions,
+    say: Callable[[str], None],
+) -> tuple[list[AcceptanceStats], OnlineRun]:
+    """The drafts in vLLM on the held-out partition's prompts."""
+    from eagle3_assets.evaluation.online import evaluate_online, held_out_prompts
+
+    if partition is None:
+        raise ValueError("online evaluation needs a held-out partition: pass one (no hidden_states partitions)")
+    cfg = options.online_config
+    cfg.k = options.k
+    prompts = held_out_prompts(layout, partition, cfg.prompts)
+    drafts = {"trained": draft_dir}
+    if options.untrained:
+        drafts["untrained"] = untrained_dir
+    result = evaluate_online(verifier_path, drafts, prompts, cfg, say)
+    run = OnlineRun(
+        prompts=len(prompts),
+        max_tokens=cfg.max_tokens,
+        baseline_output_tokens=result.baseline.output_tokens,
+        baseline_seconds=result.baseline.seconds,
+        mismatches=result.mismatches,
+        server_startup_s=result.startup_s,
+    )
+    return result.stats, run
+
+
 def run_evaluation(
     layout: DataLayout,
     draft_dir: Path,
@@ -104,26 +136,8 @@ def run_evaluation(
             )
     online_run = None
     if options.online:
-        from eagle3_assets.evaluation.online import evaluate_online, held_out_prompts
-
-        if partition is None:
-            raise ValueError("online evaluation needs a held-out partition: pass one (no hidden_states partitions)")
-        cfg = options.online_config
-        cfg.k = options.k
-        prompts = held_out_prompts(layout, partition, cfg.prompts)
-        drafts = {"trained": draft_dir}
-        if options.untrained:
-            drafts["untrained"] = untrained_dir
-        result = evaluate_online(verifier_path, drafts, prompts, cfg, say)
-        stats += result.stats
-        online_run = OnlineRun(
-            prompts=len(prompts),
-            max_tokens=cfg.max_tokens,
-            baseline_output_tokens=result.baseline.output_tokens,
-            baseline_seconds=result.baseline.seconds,
-            mismatches=result.mismatches,
-            server_startup_s=result.startup_s,
-        )
+        online_stats, online_run = _online(layout, partition, draft_dir, untrained_dir, verifier_path, options, say)
+        stats += online_stats
     order = {"offline": 1, "online": 0}
     stats.sort(key=lambda s: (s.label != "trained", order.get(s.method, 2)))
     for s in stats:

@@ -1,9 +1,12 @@
-"""Online acceptance: the draft in vLLM's EAGLE-3 speculative decoding, read from the server's spec-decode counters.
+"""Online acceptance: the draft in vLLM's EAGLE-3 speculative decoding, counted from the evaluation's own requests.
 
 The same held-out prompts go, at temperature 0, to the plain verifier and to the verifier with each draft
 (``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), one server at a
-time so their tokens/s are measured on an otherwise identical machine. Counters are read from ``/metrics`` before
-and after (a server that was already running, or is shared, keeps its history out of the figures). Greedy outputs
+time so their tokens/s are measured on an otherwise identical machine. Acceptance is summed from the per-request
+speculative metrics each response carries (``metrics.speculative_decoding``: vLLM's
+``--per-request-spec-decode-metrics summary``), never from the server-wide ``/metrics`` counters, which every other
+client of a shared server moves too. The servers the evaluation starts itself get that flag; a server given by URL
+must have it, or the evaluation stops saying so. Requests carry the API key of the generation setting. Greedy outputs
 with a draft must equal the plain verifier's token for token: speculative decoding is lossless at temperature 0, so
 any difference is a bug (in the draft's config, the engine, or the comparison) and is reported per prompt.
 
@@ -22,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.evaluation.report import AcceptanceStats
+from eagle3_assets.generation.config import display_url
 from eagle3_assets.storage import DataLayout
 
 logger = logging.getLogger(__name__)
 
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# vLLM's flag for per-request acceptance in each response body (``summary``: the histogram, no per-step arrays)
+PER_REQUEST_METRICS_ARGS = ("--per-request-spec-decode-metrics", "summary")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Generation:
     text: str  # reasoning + "\x00" + content: the comparison falls back on it without token ids
     completion_tokens: int
     finish_reason: str | None
+    speculative: dict[str, Any] | None = None  # the response's metrics.speculative_decoding, if any
 
 
 @dataclass
@@ -72,6 +75,7 @@ class OnlineConfig:
     plain_url: str | None = None
     draft_url: str | None = None
     served_model_name: str | None = None  # model id on those servers; default: the verifier folder's name
+    api_key: str | None = field(default=None, repr=False)  # for servers given by URL; never logged
 
 
 def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Prompt]:
@@ -95,32 +99,43 @@ def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Pro
     return [Prompt(str(r["sample_id"]), normalize_messages(r["messages"])) for r in frame.iter_rows(named=True)]
 
 
-def read_counters(base_url: str, k: int) -> dict[str, Any]:
-    from eagle3_assets.local.vllm_server import metric_total, read_metrics
+def acceptance_counts(speculative: Mapping[str, Any], k: int) -> dict[str, Any]:
+    """One response's ``metrics.speculative_decoding`` as counts: drafts, draft tokens, accepted, per position.
 
-    text = read_metrics(base_url)
+    ``acceptance_histogram[j]`` is the number of verify steps that accepted exactly j draft tokens, so the drafts
+    whose first p+1 tokens were all accepted are the steps with j > p.
+    """
+    histogram = [int(n) for n in speculative["acceptance_histogram"]]
+    if len(histogram) != k + 1:
+        raise ValueError(f"acceptance_histogram has {len(histogram)} bins for num_speculative_tokens={k}")
     return {
-        "drafts": metric_total(text, DRAFTS),
-        "draft_tokens": metric_total(text, DRAFT_TOKENS),
-        "accepted": metric_total(text, ACCEPTED),
-        "per_position": [metric_total(text, ACCEPTED_PER_POS, {"position": str(j)}) for j in range(k)],
+        "drafts": sum(histogram),
+        "draft_tokens": int(speculative["num_draft_tokens"]),
+        "accepted": sum(j * n for j, n in enumerate(histogram)),
+        "per_position": [sum(histogram[p + 1 :]) for p in range(k)],
     }
 
 
-def counter_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "drafts": round(after["drafts"] - before["drafts"]),
-        "draft_tokens": round(after["draft_tokens"] - before["draft_tokens"]),
-        "accepted": round(after["accepted"] - before["accepted"]),
-        "per_position": [round(a - b) for a, b in zip(after["per_position"], before["per_position"], strict=True)],
-    }
+def summed_counts(generations: Sequence[Generation], k: int) -> dict[str, Any]:
+    """Acceptance counts over this evaluation's own responses (zero for a server without a draft)."""
+    total: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
+    for g in generations:
+        if g.speculative is None:
+            continue
+        one = acceptance_counts(g.speculative, k)
+        for name in ("drafts", "draft_tokens", "accepted"):
+            total[name] += one[name]
+        total["per_position"] = [a + b for a, b in zip(total["per_position"], one["per_position"], strict=True)]
+    return total
 
 
 def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
     """Greedy completions of every prompt, ``concurrency`` at a time; wall time of the whole batch."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="local", timeout=config.request_timeout_s, max_retries=0)
+    # vLLM without --api-key accepts any key; the openai client insists on one
+    api_key = config.api_key or "no-key"
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=config.request_timeout_s, max_retries=0)
 
     def one(prompt: Prompt) -> Generation:
         response = client.chat.completions.create(
@@ -136,12 +151,14 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
         message = choice.message
         reasoning = getattr(message, "reasoning", None) or (message.model_extra or {}).get("reasoning") or ""
         usage = response.usage
+        metrics = (response.model_extra or {}).get("metrics") or {}
         return Generation(
             sample_id=prompt.sample_id,
             token_ids=list(token_ids) if token_ids is not None else None,
             text=f"{reasoning}\x00{message.content or ''}",
             completion_tokens=int(usage.completion_tokens) if usage else len(token_ids or []),
             finish_reason=choice.finish_reason,
+            speculative=metrics.get("speculative_decoding") if isinstance(metrics, dict) else None,
         )
 
     started = time.perf_counter()
@@ -160,10 +177,21 @@ def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> 
     return bad
 
 
-def _measure(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
-    before = read_counters(base_url, config.k)
+def _measure(
+    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
+) -> GenerationRun:
+    """Generate and count acceptance from these responses; a draft server must report it per request."""
     run = generate(base_url, model, prompts, config)
-    run.counters = counter_delta(before, read_counters(base_url, config.k))
+    if speculative:
+        without = [g.sample_id for g in run.generations if g.speculative is None]
+        if without:
+            raise RuntimeError(
+                f"{display_url(base_url)} returned no per-request speculative metrics (metrics.speculative_decoding) "
+                f"for {len(without)} of {len(run.generations)} requests: start that vLLM with "
+                f"{' '.join(PER_REQUEST_METRICS_ARGS)}, or leave its URL empty so the evaluation starts its own "
+                "server (server-wide /metrics counters are not used: other clients move them)"
+            )
+    run.counters = summed_counts(run.generations, config.k)
     return run
 
 
@@ -198,6 +226,7 @@ def _local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path |
             max_model_len=config.max_model_len,
             speculative_config=spec,
             log_dir=config.log_dir,
+            extra_args=PER_REQUEST_METRICS_ARGS if draft is not None else (),
         )
     )
 
@@ -228,13 +257,13 @@ def evaluate_online(
 
     def run_on(label: str, draft: Path | None, url: str | None) -> GenerationRun:
         if url is not None:
-            say(f"online [{label}]: using the server at {url}")
-            return _measure(url, name, prompts, config)
+            say(f"online [{label}]: using the server at {display_url(url)}")
+            return _measure(url, name, prompts, config, speculative=draft is not None)
         say(f"online [{label}]: starting vLLM on {verifier}" + (f" with draft {draft}" if draft else ""))
         with _local_server(verifier, config, name, draft) as server:
             startup[label] = round(float(server.startup_s or 0.0), 1)
             say(f"online [{label}]: ready in {startup[label]:.0f} s; generating {len(prompts)} prompts")
-            return _measure(server.base_url, name, prompts, config)
+            return _measure(server.base_url, name, prompts, config, speculative=draft is not None)
 
     baseline = run_on("plain", None, config.plain_url)
     say(f"online [plain]: {baseline.output_tokens} tokens in {baseline.seconds:.1f} s")

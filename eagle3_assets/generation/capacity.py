@@ -303,11 +303,13 @@ class CapacityMonitor:
 
     def _client(self) -> Any:
         if self._session is None:  # created on the running loop (an aiohttp session binds to it)
-            import aiohttp
+            from eagle3_assets.generation.transport import aiohttp_session
 
             headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            connector = aiohttp.TCPConnector(limit=len(self.endpoints) + 2, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(connector=connector, headers=headers)
+            timeout_s = self.config.connect_timeout_s
+            self._session = aiohttp_session(
+                limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s, headers=headers
+            )
         return self._session
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -39,6 +39,9 @@ def display_url(url: str) -> str:
 class GenerationConfig:
     base_urls: tuple[str, ...]
     model: str | None = None  # None: ask GET /v1/models once
+    # What the served weights are, when known (a revision or a content hash of the model folder): part of every
+    # row's request fingerprint, so other weights under the same served name are answered again.
+    model_revision: str | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged, never written
     # Requests in flight for the whole run when no server reports its load (/metrics); otherwise each server's
     # default target (see server_targets and generation/capacity.py).
@@ -62,7 +65,9 @@ class GenerationConfig:
     # computed on exactly the tokens the server produced, where re-tokenizing the text differs at a quarter to a
     # third of positions. Servers that do not know the field ignore it (vLLM) or must be told False here.
     return_token_ids: bool = True
-    transport: str = "openai"  # "openai" (openai.AsyncOpenAI) or "aiohttp" (leaner, same semantics)
+    # "aiohttp" (the project's own aiohttp client, ~1 ms CPU per request) or "openai" (stock openai.AsyncOpenAI over
+    # the SDK's aiohttp client: same requests and results, more CPU); see generation/transport.py
+    transport: str = "aiohttp"
     # streaming: no bytes for this long = retryable failure. Generous: a request queued behind a full batch
     # gets no bytes until it is scheduled.
     idle_timeout_s: float = 300.0
@@ -155,7 +160,16 @@ class GenerationConfig:
         return fields
 
     def redact(self, text: str) -> str:
-        """Replace the API key in any text that may reach a log line, an error or a file."""
-        if self.api_key:
-            text = text.replace(self.api_key, "***")
+        """Replace the API key in any text that may reach a log line, an error or a file.
+
+        Texts may arrive already cut to a length (an error message): a key cut at the end leaves a prefix that a
+        plain replace misses, so a trailing prefix of the key (8+ characters) is replaced too.
+        """
+        key = self.api_key
+        if not key:
+            return text
+        text = text.replace(key, "***")
+        for size in range(min(len(key) - 1, len(text)), 7, -1):
+            if text.endswith(key[:size]):
+                return text[:-size] + "***"
         return text

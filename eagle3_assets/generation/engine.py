@@ -19,10 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation.capacity import CapacityMonitor, PartitionLine
-from eagle3_assets.generation.client import Completion, RequestFailed, build_body, classify
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
-from eagle3_assets.generation.records import STATUS_FAILED, STATUS_OK, PromptToGenerate, normalize_messages
+from eagle3_assets.generation.errors import AUTH_STATUS, AuthRejected, RequestFailed, auth_failure_text, classify
+from eagle3_assets.generation.records import (
+    STATUS_FAILED,
+    STATUS_OK,
+    PromptToGenerate,
+    check_row,
+    normalize_messages,
+)
+from eagle3_assets.generation.replies import Completion, build_body
 from eagle3_assets.generation.transport import Transport
 from eagle3_assets.settings import ConfigError
 
@@ -177,35 +184,46 @@ class Engine:
             raise self._fatal
 
     async def _attempt(self, item: _Item, endpoint: Endpoint) -> None:
-        item.attempts += 1
-        self.stats.requests += 1
-        started = time.monotonic()
-        if item.body is None:
-            item.body = build_body(self.model, item.messages, self.request_fields, self.config.stream)
-        body = item.body
-        deadline = self.config.request_timeout_s
         try:
-            completion = await self.transports[endpoint.url].complete(
-                body, stream=self.config.stream, deadline_s=deadline
-            )
-        except RequestFailed as failure:
-            self.pool.release(endpoint, server_failure=failure.retryable)
-            self._after_failure(item, endpoint, failure, time.monotonic() - started)
+            item.attempts += 1
+            self.stats.requests += 1
+            started = time.monotonic()
+            try:  # every way out of this try gives the endpoint back exactly once
+                if item.body is None:
+                    item.body = build_body(self.model, item.messages, self.request_fields, self.config.stream)
+                completion = await self.transports[endpoint.url].complete(
+                    item.body, stream=self.config.stream, deadline_s=self.config.request_timeout_s
+                )
+            except asyncio.CancelledError:
+                self.pool.release(endpoint, server_failure=False)
+                raise
+            except Exception as error:  # RequestFailed, or a bug (not the server's failure): classified either way
+                failure = classify(error)
+                self.pool.release(endpoint, server_failure=isinstance(error, RequestFailed) and failure.retryable)
+                self._after_failure(item, endpoint, failure, time.monotonic() - started)
+            else:
+                self.pool.release(endpoint, server_failure=False)
+                self._finish(item, endpoint, time.monotonic() - started, completion=completion)
         except asyncio.CancelledError:
-            self.pool.release(endpoint, server_failure=False)
-            self._in_flight -= 1
             raise
-        except Exception as error:  # a bug, not a server failure: classify and keep the run going
-            self.pool.release(endpoint, server_failure=False)
-            self._after_failure(item, endpoint, classify(error), time.monotonic() - started)
-        else:
-            self.pool.release(endpoint, server_failure=False)
-            self._finish(item, endpoint, time.monotonic() - started, completion=completion)
-        self._in_flight -= 1
-        self._wake.set()
+        except Exception as error:  # a bug in this sample's bookkeeping: it fails this sample, never the pool
+            detail = f"{type(error).__name__}: {error}"
+            self._fail_sample(item, endpoint, f"internal error while handling this sample: {detail}")
+        finally:
+            # whatever happened above: a slot that is never given back would hang the run
+            self._in_flight -= 1
+            self._wake.set()
 
     def _after_failure(self, item: _Item, endpoint: Endpoint, failure: RequestFailed, latency: float) -> None:
         message = self.config.redact(failure.message)
+        if failure.status in AUTH_STATUS:
+            # A refused key refuses every later request too: stop the run rather than fail each sample on its
+            # first attempt. This sample and those not yet requested stay unwritten, so they are simply to do.
+            where = self._display_urls.get(endpoint.url) or display_url(endpoint.url)
+            failure = RequestFailed(message, False, failure.status)
+            left = self.stats.total - self.stats.finished
+            self._stop(AuthRejected(auth_failure_text(failure, where, left=left, finished=self.stats.finished)))
+            return
         if failure.retryable and item.attempts < self.config.max_attempts:
             self.stats.retries += 1
             self.stats.retry_reasons[message.split(":", 1)[0][:80]] += 1
@@ -218,6 +236,12 @@ class Engine:
         if failure.retryable:
             message = f"gave up after {item.attempts} attempts; last error: {message}"
         self._finish(item, endpoint, latency, error=message)
+
+    def _stop(self, error: BaseException) -> None:
+        """End the run with ``error`` (the first one wins); the dispatcher raises it."""
+        if self._fatal is None:
+            self._fatal = error
+        self._wake.set()
 
     def _requeue(self, item: _Item) -> None:
         now = asyncio.get_running_loop().time()
@@ -235,10 +259,54 @@ class Engine:
         completion: Completion | None = None,
         error: str | None = None,
     ) -> None:
+        """Journal the sample's terminal record, then count it.
+
+        A record the journal refuses (it cannot be serialized...) fails the sample with that error: a failed
+        record is written instead. A journal that cannot be written (an OSError: a full disk, a lost mount...)
+        stops the run, as does a failed record it refuses: no row would be safe there.
+        """
         item.body = None
+        record = self._record(item, endpoint, latency, completion, error)
+        check_row(record)  # a TypeError naming the field fails the sample (in _attempt), never the journal
+        # counted before the journal write, so that nothing can fail between writing a record and counting it
+        tokens = (completion.prompt_tokens or 0, completion.completion_tokens or 0) if completion else (0, 0)
+        try:
+            self.on_finished(record)
+        except Exception as exc:
+            if completion is None or isinstance(exc, OSError):
+                self._stop(exc)
+            else:
+                self._fail_sample(item, endpoint, f"the reply could not be journaled: {type(exc).__name__}: {exc}")
+            return
+        except BaseException as exc:
+            self._stop(exc)
+            return
         stats = self.stats
+        stats.finished += 1
+        if completion is not None:
+            stats.ok += 1
+            if completion.finish_reason == "length":
+                stats.truncated += 1
+            stats.prompt_tokens += tokens[0]
+            stats.completion_tokens += tokens[1]
+        else:
+            stats.failed += 1
+            stats.errors[(error or "")[:200]] += 1
+
+    def _fail_sample(self, item: _Item, endpoint: Endpoint, error: str) -> None:
+        """Fail ``item`` with ``error`` after something went wrong between its reply and its record."""
+        error = self.config.redact(error)
+        self.log(f"{self.progress_prefix}sample {item.prompt.sample_id}: {error}")
+        try:
+            self._finish(item, endpoint, 0.0, error=error)
+        except Exception as exc:  # not even a failed record could be built: the run cannot account for it
+            self._stop(exc)
+
+    def _record(
+        self, item: _Item, endpoint: Endpoint, latency: float, completion: Completion | None, error: str | None
+    ) -> dict[str, Any]:
         ok = completion is not None
-        record = {
+        return {
             "sample_id": item.prompt.sample_id,
             "partition_key": self.partition_key,
             "messages": item.messages,
@@ -258,23 +326,6 @@ class Engine:
             "error": error,
             "finished_at": time.time(),
         }
-        try:
-            self.on_finished(record)
-        except BaseException as exc:  # the journal could not be written (disk full...): stop the run
-            if self._fatal is None:
-                self._fatal = exc
-            self._wake.set()
-            return
-        stats.finished += 1
-        if ok:
-            stats.ok += 1
-            if completion.finish_reason == "length":
-                stats.truncated += 1
-            stats.prompt_tokens += completion.prompt_tokens or 0
-            stats.completion_tokens += completion.completion_tokens or 0
-        else:
-            stats.failed += 1
-            stats.errors[(error or "")[:200]] += 1
 
     # ------------------------------------------------------------------------------------- progress
 

@@ -12,30 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from eagle3_assets import storage
 from eagle3_assets.generation.records import STATUS_OK
 
-try:  # orjson is ~5x faster at dumping long strings; stdlib json is the fallback
-    import orjson
+_loads = orjson.loads
 
-    def _dumps(record: Mapping[str, Any]) -> bytes:
-        return orjson.dumps(record)
 
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-    def _dumps(record: Mapping[str, Any]) -> bytes:
-        return _encoder.encode(record).encode()
-
-    _loads = json.loads
+def _dumps(record: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(record)
 
 
 @dataclass
@@ -45,6 +37,8 @@ class JournalContents:
     torn_bytes: int = 0  # bytes of a torn last line that were dropped
     corrupt_lines: int = 0  # complete lines that did not parse (should not happen; counted, skipped)
     valid_size: int = 0  # file offset just after the last complete line
+    # sample_id -> the latest record that answers another request than the current one (``current`` refused it)
+    stale: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _better(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
@@ -54,7 +48,10 @@ def _better(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
     return not (old.get("status") == STATUS_OK and new.get("status") != STATUS_OK)
 
 
-def read_journal(path: Path) -> JournalContents:
+def read_journal(path: Path, current: Callable[[Mapping[str, Any]], bool] | None = None) -> JournalContents:
+    """The winning record per sample. With ``current``, a record it refuses (another prompt or other settings,
+    see ``generation/fingerprint.py``) never wins: it is kept aside in ``stale``, so an ok answer to an old
+    request cannot shadow a failed attempt at the current one."""
     contents = JournalContents()
     try:
         data = path.read_bytes()
@@ -72,6 +69,9 @@ def read_journal(path: Path) -> JournalContents:
             sample_id = record["sample_id"]
         except (ValueError, KeyError, TypeError):
             contents.corrupt_lines += 1
+            continue
+        if current is not None and not current(record):
+            contents.stale[sample_id] = record
             continue
         if _better(record, contents.records.get(sample_id)):
             contents.records[sample_id] = record

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,17 @@ import polars as pl
 from eagle3_assets import storage
 from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
+from eagle3_assets.generation.fingerprint import (
+    FINGERPRINT_COLUMN,
+    FingerprintInputs,
+    fingerprints_for,
+    prompt_set_digest,
+    stale_reason,
+)
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
+from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
 
 Log = Callable[[str], None]
@@ -49,12 +59,11 @@ class GenerationResult:
     top_errors: dict[str, int] = field(default_factory=dict)  # terminal error texts (200 chars) -> count
     retry_reasons: dict[str, int] = field(default_factory=dict)
     torn_bytes_dropped: int = 0
-
-    def metadata(self) -> dict[str, Any]:
-        """Plain JSON-able values for Dagster metadata (the wrapper picks what it shows)."""
-        data = asdict(self)
-        data["path"] = str(self.path)
-        return data
+    # stored ok rows that answered another request (prompt or settings changed) and were generated again
+    stale: int = 0
+    stale_reasons: dict[str, int] = field(default_factory=dict)
+    settings_digest: str = ""  # FingerprintInputs.settings_digest of this run (the manifest has its inputs)
+    data_version: str = ""  # content hash of the written Parquet (Dagster's data version of the partition)
 
 
 def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGenerate]:
@@ -72,17 +81,28 @@ def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGe
     return [PromptToGenerate(row["sample_id"], row["messages"]) for row in frame.iter_rows(named=True)]
 
 
-def _previous_ok(path: Path, wanted: set[str], log: Log) -> dict[str, dict[str, Any]]:
-    """ok rows of an existing final Parquet whose sample is still in the partition."""
+def _previous_rows(
+    path: Path, wanted: set[str], current: Callable[[Mapping[str, Any]], bool], log: Log
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(current ok rows, stale ok rows) of an existing final Parquet whose sample is still in the partition.
+
+    A file written before request fingerprints has no such column: its rows are all stale.
+    """
     if not path.exists():
-        return {}
+        return {}, {}
     try:
         frame = pl.read_parquet(path)
     except Exception as error:
         log(f"ignoring unreadable {path.name} ({type(error).__name__}: {error}); its samples are generated again")
-        return {}
+        return {}, {}
+    if FINGERPRINT_COLUMN not in frame.columns:
+        frame = frame.with_columns(pl.lit(None, pl.String).alias(FINGERPRINT_COLUMN))
     frame = frame.filter((pl.col("status") == STATUS_OK) & pl.col("sample_id").is_in(list(wanted)))
-    return {row["sample_id"]: row for row in frame.iter_rows(named=True)}
+    kept: dict[str, dict[str, Any]] = {}
+    stale: dict[str, dict[str, Any]] = {}
+    for row in frame.iter_rows(named=True):
+        (kept if current(row) else stale)[row["sample_id"]] = row
+    return kept, stale
 
 
 def _filtered(records: Mapping[str, dict[str, Any]], wanted: set[str]) -> dict[str, dict[str, Any]]:
@@ -97,6 +117,46 @@ async def _sync_loop(journal: Journal, interval: float) -> None:
         await loop.run_in_executor(None, journal.sync)
 
 
+async def _served_model(config: GenerationConfig, log: Log) -> str:
+    """The model the server answers with when none is configured (part of every request's fingerprint)."""
+    transports = make_transports(config)
+    try:
+        model, _unhealthy = await preflight(transports, config, log)
+    finally:
+        await close_all(transports)
+    return model
+
+
+def _request_model(config: GenerationConfig, manifest: Path, log: Log) -> tuple[str, Exception | None]:
+    """(the model requests go to, the preflight error when it had to be guessed).
+
+    Configured: that one. Otherwise the server says which it serves. When no server answers, the model the
+    partition's manifest recorded stands in, so a partition whose rows are all current under it completes
+    without a server; the caller raises the preflight's error as soon as anything has to be generated.
+    """
+    if config.model:
+        return config.model, None
+    try:
+        return run_async(_served_model(config, log)), None
+    except (RuntimeError, ConfigError) as error:
+        try:
+            recorded = storage.read_json(manifest)["request"]["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise error from None
+        log(f"no server answered ({error}); checking the stored rows against their recorded model {recorded!r}")
+        return str(recorded), error
+
+
+def _stamped(append: Callable[[dict[str, Any]], None], fingerprints: Mapping[str, str]) -> Callable[..., None]:
+    """``append`` that first stamps each record with its request's fingerprint (the engine does not know it)."""
+
+    def on_finished(record: dict[str, Any]) -> None:
+        record[FINGERPRINT_COLUMN] = fingerprints[record["sample_id"]]
+        append(record)
+
+    return on_finished
+
+
 async def _generate(
     todo: Sequence[PromptToGenerate],
     partition_key: str,
@@ -104,6 +164,7 @@ async def _generate(
     journal: Journal,
     log: Log,
     already_done: int,
+    fingerprints: Mapping[str, str],
     line_dir: Path | None = None,
 ) -> tuple[EngineStats, str]:
     transports = make_transports(config)
@@ -113,7 +174,7 @@ async def _generate(
             config,
             model,
             transports,
-            journal.append,
+            _stamped(journal.append, fingerprints),
             partition_key=partition_key,
             log=log,
             progress_prefix=f"synthetic_responses {partition_key} ",
@@ -151,7 +212,7 @@ def run_async(coro: Any) -> Any:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - depends on the environment
+    except ImportError:  # pragma: no cover - uvloop is declared for every platform but Windows, which lacks it
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
@@ -199,8 +260,21 @@ def generate_partition(
     journal_path = layout.responses_in_progress_path(partition_key)
     lock = layout.lock_path("synthetic_responses", partition_key)
     with storage.exclusive_lock(lock, f"synthetic_responses partition {partition_key}"):
-        previous = _previous_ok(final_path, wanted, log)
-        contents = read_journal(journal_path)
+        # Which request each prompt is sent as decides which stored rows are still answers to it.
+        model, unreachable = _request_model(config, layout.responses_manifest_path(partition_key), log)
+        config = dataclasses.replace(config, model=model)
+        inputs = FingerprintInputs(model, config.sampling_params(), config.model_revision)
+        fingerprints = fingerprints_for(inputs, prompts)
+
+        def current(record: Mapping[str, Any]) -> bool:
+            return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
+
+        previous, stale_previous = _previous_rows(final_path, wanted, current, log)
+        # answers to a request that was current once, kept aside when settings changed: current again, reused
+        archive_path = layout.responses_superseded_path(partition_key)
+        archived, old_archived = _previous_rows(archive_path, wanted, current, log)
+        previous = merge_records(archived, previous)
+        contents = read_journal(journal_path, current)
         torn = contents.torn_bytes
         if torn:
             log(f"dropped a torn last line ({torn} bytes) from {journal_path.name}, left by an interrupted run")
@@ -208,41 +282,138 @@ def generate_partition(
             log(f"skipped {contents.corrupt_lines} unparseable line(s) in {journal_path.name}")
         known = merge_records(previous, _filtered(contents.records, wanted))
         kept = {sid for sid, record in known.items() if record.get("status") == STATUS_OK}
+        stale_reasons = _stale_reasons(prompts, set(known), fingerprints, stale_previous, contents.stale)
         todo = [p for p in prompts if p.sample_id not in kept]
         failed_before = sum(1 for p in todo if p.sample_id in known)
-        log(
-            f"synthetic_responses {partition_key}: {len(prompts)} prompts; {len(kept)} already ok on disk "
-            f"(kept, not requested again); {failed_before} failed before (retried); "
-            f"{len(todo) - failed_before} to generate"
-        )
+        _log_plan(log, partition_key, len(prompts), len(kept), failed_before, stale_reasons, len(todo))
         stats = EngineStats()
-        model = config.model
+        if todo and unreachable is not None:
+            raise unreachable  # rows to generate and no server to ask: the preflight's own error
         if todo:
-            # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on
-            # the first journal write.
-            storage.ensure_free_space(
-                journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}"
-            )
-            journal = Journal.open(journal_path, valid_size=contents.valid_size)
-            try:
-                # the partitions' line at the servers (key order among this pipeline's runs; generation/capacity.py)
-                line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
-                stats, model = run_async(_generate(todo, partition_key, config, journal, log, len(kept), line_dir))
-            finally:
-                journal.close()
-                if journal.appended == 0 and journal_path.stat().st_size == 0:
-                    journal_path.unlink()  # a run that failed before any sample leaves no empty file
-            contents = read_journal(journal_path)
+            run = (todo, partition_key, config, journal_path, contents.valid_size)
+            # the partitions' line at the servers (key order among this pipeline's runs; generation/capacity.py)
+            line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
+            stats, model = _run_pool(*run, log, len(kept), fingerprints, line_dir)
+            contents = read_journal(journal_path, current)
             known = merge_records(previous, _filtered(contents.records, wanted))
         missing = [sid for sid in ids if sid not in known]
         if missing:  # the engine finishes every sample it is given; this would be a bug, never a silent gap
             raise RuntimeError(f"partition {partition_key}: {len(missing)} samples have no record, e.g. {missing[:3]}")
         frame = rows_to_frame([known[sid] for sid in ids])
         storage.write_parquet_atomic(frame, final_path)
+        _keep_superseded(archive_path, frame, old_archived, stale_previous, contents.stale)
+        data_version = storage.file_digest(final_path)
+        _write_manifest(layout, partition_key, inputs, prompts, frame.height, data_version, stale_reasons)
         journal_path.unlink(missing_ok=True)
-        return _result(
+        result = _result(
             partition_key, final_path, frame, stats, len(kept), len(todo), model, time.monotonic() - started, torn
         )
+        return dataclasses.replace(
+            result,
+            stale=sum(stale_reasons.values()),
+            stale_reasons=dict(stale_reasons),
+            settings_digest=inputs.settings_digest,
+            data_version=data_version,
+        )
+
+
+def _log_plan(
+    log: Log, partition_key: str, prompts: int, kept: int, failed_before: int, stale: Counter[str], todo: int
+) -> None:
+    count = sum(stale.values())
+    why = f": {', '.join(f'{n} {reason}' for reason, n in stale.items())}" if count else ""
+    log(
+        f"synthetic_responses {partition_key}: {prompts} prompts; {kept} already ok on disk "
+        f"(kept, not requested again); {failed_before} failed before (retried); "
+        f"{count} stale (answered another request, generated again{why}); {todo - failed_before - count} to generate"
+    )
+
+
+def _run_pool(
+    todo: Sequence[PromptToGenerate],
+    partition_key: str,
+    config: GenerationConfig,
+    journal_path: Path,
+    valid_size: int,
+    log: Log,
+    already_done: int,
+    fingerprints: Mapping[str, str],
+    line_dir: Path,
+) -> tuple[EngineStats, str]:
+    """Generate ``todo`` into the partition's journal (cut to ``valid_size``: a torn last line goes)."""
+    # Before the preflight and the pool: a full disk would otherwise cost a run of requests that die on the
+    # first journal write.
+    storage.ensure_free_space(journal_path.parent, _space_floor(todo), f"synthetic_responses partition {partition_key}")
+    journal = Journal.open(journal_path, valid_size=valid_size)
+    try:
+        return run_async(_generate(todo, partition_key, config, journal, log, already_done, fingerprints, line_dir))
+    finally:
+        journal.close()
+        if journal.appended == 0 and journal_path.stat().st_size == 0:
+            journal_path.unlink()  # a run that failed before any sample leaves no empty file
+
+
+def _write_manifest(
+    layout: DataLayout,
+    partition_key: str,
+    inputs: FingerprintInputs,
+    prompts: Sequence[PromptToGenerate],
+    rows: int,
+    data_version: str,
+    stale: Counter[str],
+) -> None:
+    """The partition's lineage: what every row answers (the fingerprint inputs), for which prompt set."""
+    storage.write_json_atomic(
+        {
+            "partition_key": partition_key,
+            "request": inputs.as_dict(),
+            "settings_digest": inputs.settings_digest,
+            "prompt_set_digest": prompt_set_digest((p.sample_id, p.messages) for p in prompts),
+            "rows": rows,
+            "data_version": data_version,
+            "stale_regenerated": dict(stale),
+        },
+        layout.responses_manifest_path(partition_key),
+    )
+
+
+def _keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Mapping[str, Any]]) -> None:
+    """Keep the ok rows the final file no longer holds (answers to an earlier request) in ``path``, one per sample
+    and request, so going back to those settings reuses them instead of requesting them again. Resume only ever
+    takes a row from there whose fingerprint is current: nothing is mixed."""
+    in_final = set(zip(final["sample_id"].to_list(), final[FINGERPRINT_COLUMN].to_list(), strict=True))
+    rows: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for source in sources:
+        for sid, row in source.items():
+            key = (sid, row.get(FINGERPRINT_COLUMN))
+            if row.get("status") == STATUS_OK and key[1] and key not in in_final:
+                rows[key] = row  # type: ignore[index]
+    if rows:
+        storage.write_parquet_atomic(rows_to_frame(list(rows.values())), path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _stale_reasons(
+    prompts: Sequence[PromptToGenerate],
+    known: set[str],
+    fingerprints: Mapping[str, str],
+    *stale_sources: Mapping[str, Mapping[str, Any]],
+) -> Counter[str]:
+    """Why each prompt without a current row had an ok row for another request (file or journal)."""
+    reasons: Counter[str] = Counter()
+    for prompt in prompts:
+        sid = prompt.sample_id
+        if sid in known:  # a current row (ok: kept; failed: retried) exists
+            continue
+        for source in reversed(stale_sources):  # the journal is newer than the file
+            record = source.get(sid)
+            if record is not None and record.get("status") == STATUS_OK:
+                why = stale_reason(record, fingerprints[sid], prompt.messages)
+                if why is not None:
+                    reasons[why] += 1
+                    break
+    return reasons
 
 
 def _result(

@@ -37,6 +37,8 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "status": pl.String(),
     "error": pl.String(),
     "finished_at": pl.Float64(),
+    # hash of what determined the answer (generation/fingerprint.py); null in files written before it existed
+    "request_fingerprint": pl.String(),
 }
 COLUMNS = tuple(RESPONSE_SCHEMA)
 
@@ -54,6 +56,43 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
     return [
         {"role": str(m["role"]), "content": "" if m.get("content") is None else str(m["content"])} for m in messages
     ]
+
+
+# The Python type each column's non-null values have in a journal record (checked before a record is written).
+_ROW_TYPES: dict[str, type] = {
+    "sample_id": str,
+    "partition_key": str,
+    "messages": list,
+    "reasoning": str,
+    "content": str,
+    "finish_reason": str,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "prompt_token_ids": list,
+    "completion_token_ids": list,
+    "latency_s": float,
+    "endpoint": str,
+    "attempts": int,
+    "model": str,
+    "sampling_params": str,
+    "status": str,
+    "error": str,
+    "finished_at": float,
+}
+
+
+def check_row(record: Mapping[str, Any]) -> None:
+    """Raise TypeError naming the first field of ``record`` whose value cannot go into its column.
+
+    Why here and not only where replies are parsed: a row of the wrong type would be journaled fine and then break
+    the partition's Parquet on every later run, so no record reaches the journal unchecked, whoever built it.
+    """
+    for name, kind in _ROW_TYPES.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            raise TypeError(f"row field {name} is {type(value).__name__}, expected {kind.__name__} or null")
 
 
 def rows_to_frame(rows: Sequence[Mapping[str, Any]]) -> pl.DataFrame:

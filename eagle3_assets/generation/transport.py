@@ -1,37 +1,38 @@
-"""How requests reach an endpoint. Two interchangeable transports with the same classification:
+"""How requests reach an endpoint (``EAGLE3_TRANSPORT``). Two interchangeable transports, one meaning:
 
-- ``"openai"`` (default): ``openai.AsyncOpenAI`` (:class:`~eagle3_assets.generation.client.EngineAsyncOpenAI`,
-  ``max_retries=0``) over an httpx2 client with a lean aiohttp transport; the raw response is parsed here (see
-  :mod:`eagle3_assets.generation.client`).
-- ``"aiohttp"``: one ``aiohttp.ClientSession`` per endpoint, no SDK. Measured on these 2-core machines the SDK's
-  request machinery (``AsyncOpenAI.request``, the httpx2 client and its request/response objects) still costs
-  ~0.5-0.7 ms of CPU per request more: ~1.3-1.9 ms against ~0.85-1.25 ms for the whole call at C=128, depending
-  on how busy the machine is (``benchmarks/generation_efficiency.py`` runs both side by side).
+- ``"aiohttp"`` (default): one ``aiohttp.ClientSession`` per endpoint (:func:`aiohttp_session`), the request
+  body posted as the engine serialized it, the reply read whole and parsed by
+  :mod:`eagle3_assets.generation.replies`. About 1 ms of client CPU per request at C=128
+  (``benchmarks/generation_efficiency.py``).
+- ``"openai"``: stock ``openai.AsyncOpenAI`` (``max_retries=0``) over the SDK's own aiohttp client
+  (``openai.DefaultAioHttpClient``, the ``openai[aiohttp]`` extra), through its documented raw-request route
+  (``client.post(..., cast_to=httpx2.Response)``). It costs more CPU per request (the SDK builds an options model
+  and an httpx2 request and response each time); it is there for a setup that needs the SDK's HTTP stack.
+
+Both only use their libraries' public APIs, send the same request and classify failures through
+:mod:`eagle3_assets.generation.errors`; ``tests/unit/test_generation_transport.py`` pins them to identical results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.request
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import httpx2
+import aiohttp
+import orjson
 
-from eagle3_assets.generation.client import (
-    READ_BUFSIZE,
-    Completion,
-    RequestFailed,
-    classify,
-    make_client,
-    parse_completion,
-    parse_sse,
-    request_completion,
-    status_failure,
-)
 from eagle3_assets.generation.config import GenerationConfig
+from eagle3_assets.generation.errors import RequestFailed, classify, status_failure
+from eagle3_assets.generation.replies import CHAT_PATH, Completion, parse_completion, parse_sse, read_sse
 
-TRANSPORTS = ("openai", "aiohttp")
+# A read buffer far above any response (8k tokens streamed one per chunk, token ids included, is ~2 MB): reading a
+# body whole after wait_eof() relies on aiohttp never pausing the socket for a full buffer, as nothing drains it.
+READ_BUFSIZE = 32 * 2**20
+# keep-alive connections beyond the endpoint's cap: a slot freed and refilled at once never waits for a socket
+EXTRA_CONNECTIONS = 8
 
 
 class Transport(Protocol):
@@ -46,53 +47,46 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-class OpenAITransport:
-    def __init__(self, url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int):
-        self.url = url
-        self.client = make_client(url, api_key, connect_s=connect_s, read_s=read_s, max_connections=max_connections)
+def aiohttp_session(
+    *, limit: int, connect_s: float, read_s: float, headers: Mapping[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """The one way this project opens an aiohttp session to a server (call it inside the running event loop:
+    a session binds to it).
 
-    async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
-        return await request_completion(self.client, body, stream=stream, deadline_s=deadline_s)
-
-    async def list_models(self) -> list[str]:
-        try:
-            page = await self.client.models.list()
-        except Exception as error:
-            raise classify(error) from error
-        return [model.id for model in page.data]
-
-    async def warm(self, connections: int) -> None:
-        calls = [self.client.get("/models", cast_to=httpx2.Response) for _ in range(connections)]
-        await asyncio.gather(*calls, return_exceptions=True)
-
-    async def close(self) -> None:
-        await self.client.close()
+    ``read_s`` is the socket read timeout: with whole-body reads it bounds a silent server, and while a stream
+    arrives it is the idle timeout. Proxy environment variables (and NO_PROXY) are honoured when set; when none
+    is, aiohttp is not asked to look them up on every request.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, keepalive_timeout=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        headers=headers,
+        read_bufsize=READ_BUFSIZE,
+        trust_env=bool(urllib.request.getproxies()),
+    )
 
 
 class AiohttpTransport:
+    """The default transport: POST /chat/completions over one aiohttp session, the body read in one piece."""
+
     def __init__(self, url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int):
         self.url = url
-        self._chat_url = f"{url}/chat/completions"
+        self._chat_url = f"{url}{CHAT_PATH}"
         self._models_url = f"{url}/models"
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._connect_s = connect_s
         self._read_s = read_s
-        self._limit = max_connections + 8
-        self._session: Any = None
+        self._limit = max_connections + EXTRA_CONNECTIONS
+        self._session: aiohttp.ClientSession | None = None
 
-    def _client(self) -> Any:
-        # Created lazily: an aiohttp session binds to the running event loop.
-        if self._session is None:
-            import aiohttp
-
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_s, sock_read=self._read_s)
-            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=60)
-            # A read buffer far above any response (8k tokens streamed one per chunk is ~2 MB): wait_eof() below
-            # relies on aiohttp never pausing the socket for a full buffer, since nothing drains it meanwhile.
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, headers=self._headers, read_bufsize=READ_BUFSIZE
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # lazily: the session binds to the running event loop
+            self._session = aiohttp_session(
+                limit=self._limit, connect_s=self._connect_s, read_s=self._read_s, headers=self._headers
             )
         return self._session
 
@@ -122,7 +116,7 @@ class AiohttpTransport:
                 data = await response.read()
                 if response.status >= 300:
                     raise status_failure(response.status, data, response.headers)
-                return [str(model["id"]) for model in _json(data).get("data", [])]
+            return _model_ids(data)
         except Exception as error:
             raise classify(error) from error
 
@@ -139,13 +133,93 @@ class AiohttpTransport:
                 await self._session.close()
 
 
-def _json(data: bytes) -> dict[str, Any]:
-    import orjson
+def _model_ids(data: bytes) -> list[str]:
+    try:
+        value = orjson.loads(data)
+    except ValueError as error:
+        raise RequestFailed(f"GET /models: invalid JSON ({error})", True) from None
+    models = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        raise RequestFailed(f"GET /models did not return a model list: {data[:200]!r}", True)
+    return [m["id"] for m in models]
 
-    value = orjson.loads(data)
-    if not isinstance(value, dict):
-        raise RequestFailed("GET /models did not return a JSON object", True)
-    return value
+
+class OpenAITransport:
+    """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes."""
+
+    def __init__(self, url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int):
+        import httpx2
+        import openai
+
+        self.url = url
+        self._httpx = httpx2
+        timeout = httpx2.Timeout(connect=connect_s, read=read_s, write=60.0, pool=None)
+        limit = max_connections + EXTRA_CONNECTIONS
+        limits = httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)
+        self.client = openai.AsyncOpenAI(
+            base_url=url,
+            api_key=api_key or "EMPTY",  # vLLM without --api-key accepts anything; the SDK insists on a value
+            max_retries=0,  # the engine retries; the SDK's own retries would stack on top
+            timeout=timeout,
+            http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
+        )
+
+    async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
+        raw = self._httpx.Response
+        try:
+            if not stream:
+                # the SDK's default headers already say Content-Type: application/json
+                response = await self.client.post(CHAT_PATH, content=body, cast_to=raw)
+                return parse_completion(response.content)
+            async with asyncio.timeout(deadline_s):
+                response = await self.client.post(CHAT_PATH, content=body, cast_to=raw, stream=True)  # type: ignore[call-overload]
+                try:
+                    return await read_sse(response.aiter_bytes())
+                finally:
+                    await response.aclose()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            raise _sdk_failure(error) from error
+
+    async def list_models(self) -> list[str]:
+        try:
+            page = await self.client.models.list()
+        except Exception as error:
+            raise _sdk_failure(error) from error
+        return [model.id for model in page.data]
+
+    async def warm(self, connections: int) -> None:
+        calls = [self.client.get("/models", cast_to=self._httpx.Response) for _ in range(connections)]
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _sdk_failure(error: BaseException) -> RequestFailed:
+    """The SDK's exceptions as the aiohttp transport reports the same event (:func:`classify` for the rest)."""
+    import openai
+
+    if isinstance(error, openai.APIStatusError):
+        response: Any = error.response
+        try:
+            body = response.content  # the SDK reads an error body before it raises
+        except Exception:
+            body = str(error.message).encode()
+        return status_failure(error.status_code, body, response.headers)
+    failure = classify(error)
+    if failure.kind is None and isinstance(error, openai.APITimeoutError):
+        return RequestFailed(f"timeout ({type(error).__name__})", True, kind="timeout")
+    if failure.kind is None and isinstance(error, openai.APIConnectionError):
+        return RequestFailed(f"connection error ({failure.message})", True, kind="connection")
+    return failure
+
+
+TRANSPORT_KINDS: dict[str, type[AiohttpTransport] | type[OpenAITransport]] = {
+    "aiohttp": AiohttpTransport,
+    "openai": OpenAITransport,
+}
 
 
 def make_transports(config: GenerationConfig) -> dict[str, Transport]:
@@ -154,7 +228,7 @@ def make_transports(config: GenerationConfig) -> dict[str, Transport]:
     Streaming: the read timeout is the idle timeout (no bytes for N s); the whole request is bounded by
     request_timeout_s. Not streaming: one read may legitimately last the whole request.
     """
-    kind = {"openai": OpenAITransport, "aiohttp": AiohttpTransport}[config.transport]
+    kind = TRANSPORT_KINDS[config.transport]
     read_s = config.idle_timeout_s if config.stream else config.request_timeout_s
     return {
         url: kind(

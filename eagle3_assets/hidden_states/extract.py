@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets import lineage
 from eagle3_assets.hidden_states.backends import (
     DTYPES,
     make_backend,
@@ -311,8 +312,11 @@ def extract_partition(
                 f"synthetic_responses partition {partition_key} has no ok responses ({failed} failed): "
                 "nothing to extract; regenerate the partition first"
             )
-        # The index marks a complete partition; drop it while the partition is being rewritten.
-        index_path.unlink(missing_ok=True)
+        # Built aside and published whole: the old partition (index included) stays usable until then.
+        extraction = lineage.hidden_states_extraction_inputs(
+            layout, verifier_path, layer_ids, config.max_seq_len, config.dtype
+        )
+        data_dir = lineage.begin_hidden_states(layout, partition_key, extraction)
         rows, served = _render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
         _cleanup(data_dir, len(rows))
 
@@ -373,7 +377,9 @@ def extract_partition(
             },
             data_dir / META_FILE,
         )
+        data_dir = lineage.publish_hidden_states(layout, partition_key, data_dir)
         index = _write_index(index_path, data_dir, rows)
+        lineage.record_hidden_states(layout, partition_key, extraction)
         total_bytes = int(index["bytes"].sum())
 
     tokens = sum(len(r.input_ids) for r in rows)

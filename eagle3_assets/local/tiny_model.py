@@ -361,14 +361,18 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3 tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into (created)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--hidden-size", type=int, default=256, help="hidden size (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = build_tiny_model(
         args.out_dir,
         seed=args.seed,

@@ -15,10 +15,14 @@ CLI (``python -m eagle3_assets.local.vllm_server`` / ``eagle3 serve-local``):
 * ``status [--port P]``  exit 0 when a server answers on that port.
 
 API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
-process has ``VLLM_API_KEY`` in its environment (or is given ``--api-key``, which every user sees in ``ps``: pass
-the key through the environment instead). The health check sends the key the server was given, read from the
-server's environment (``extra_env`` over the caller's) or from an ``--api-key`` in ``extra_args``; it is never put on
-the command line, in the log or in an error message. A server that answers 401 fails ``start()`` at once.
+process has ``VLLM_API_KEY`` in its environment. ``--api-key`` in ``extra_args`` is refused (every user sees it in
+``ps`` and it would land in the log's command line). The health check sends the key the server was given, read from
+the server's environment (``extra_env`` over the caller's); it is never put on the command line, in the log or in an
+error message. A server that answers 401 fails ``start()`` at once.
+
+Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here gets SIGTERM when the thread that
+started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
+started (a per-user record of pid, port and model folder) for the same model folder and served name.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from eagle3_assets import process_guard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "EAGLE3_VLLM_PYTHON"
@@ -171,17 +177,6 @@ def _unauthorized_message(base_url: str, api_key: str | None) -> str:
     return f"the server requires an API key: {base_url}/models answered 401 Unauthorized; {sent}"
 
 
-def _key_in_args(args: Sequence[str]) -> str | None:
-    """The value of an ``--api-key`` in vLLM arguments (``--api-key K`` or ``--api-key=K``), if any."""
-    args = [str(arg) for arg in args]
-    for i, arg in enumerate(args):
-        if arg.startswith("--api-key="):
-            return arg.split("=", 1)[1] or None
-        if arg == "--api-key" and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            return args[i + 1]
-    return None
-
-
 def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:
     """The server's Prometheus text (``/metrics`` lives beside ``/v1``, not under it)."""
     root = base_url.rstrip("/").removesuffix("/v1")
@@ -239,6 +234,13 @@ class VLLMServerConfig:
     log_dir: Path | None = None  # default: default_log_dir()
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     reuse_existing: bool = False  # use an already-healthy server on host:port instead of starting one
+    die_with_parent: bool = True  # SIGTERM when the starting thread dies (process_guard); False for `start`
+
+    def __post_init__(self) -> None:
+        try:
+            process_guard.refuse_key_args([str(a) for a in self.extra_args])
+        except process_guard.KeyInArgumentsError as error:
+            raise VLLMServerError(str(error)) from None
 
     @property
     def model_name(self) -> str:
@@ -249,7 +251,7 @@ class VLLMServerConfig:
         return f"http://{self.host}:{self.port}/v1"
 
     def command(self, python: Path) -> list[str]:
-        cmd = [str(python), "-c", _EXEC_SHIM]
+        cmd = [str(python), "-c", (process_guard.DEATHSIG_PROLOGUE if self.die_with_parent else "") + _EXEC_SHIM]
         cmd += ["--model", str(Path(self.model).resolve()), "--served-model-name", self.model_name]
         cmd += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
         cmd += ["--max-model-len", str(self.max_model_len)]
@@ -270,12 +272,13 @@ class VLLMServerConfig:
         env.update(SERVER_ENV)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env.update(self.extra_env)
+        env[process_guard.PARENT_PID_ENV] = str(os.getpid())
         return env
 
     def api_key(self) -> str | None:
-        """The key the server requires on ``/v1/*``, as vLLM picks it: ``--api-key`` in ``extra_args`` first,
-        else ``VLLM_API_KEY`` from the server's environment; None when it requires none."""
-        return _key_in_args(self.extra_args) or self.environment().get(API_KEY_ENV) or None
+        """The key the server requires on ``/v1/*``: ``VLLM_API_KEY`` from the server's environment (``--api-key``
+        in ``extra_args`` is refused); None when it requires none."""
+        return self.environment().get(API_KEY_ENV) or None
 
 
 _OPTION_ALIASES = {"model_dir": "model", "reuse_running": "reuse_existing", "reuse": "reuse_existing"}
@@ -343,6 +346,9 @@ class LocalVLLMServer:
                     raise VLLMServerError(
                         f"{cfg.base_url} serves {models}, not {cfg.model_name!r}; stop it or use another port"
                     )
+                refusal = process_guard.reuse_refusal(cfg.host, cfg.port, cfg.model, cfg.model_name)
+                if refusal is not None:
+                    raise VLLMServerError(f"cannot reuse the server on {cfg.host}:{cfg.port}: {refusal}")
                 self.reused = True
                 self.startup_s = 0.0
                 return self
@@ -381,6 +387,7 @@ class LocalVLLMServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - started
+        process_guard.write_marker(cfg.host, cfg.port, self.process.pid, cfg.model, cfg.model_name)
         return self
 
     def _wait_until_ready(self, started: float) -> None:
@@ -409,7 +416,9 @@ class LocalVLLMServer:
         """Stop the server (no-op for a reused one); returns its exit code."""
         if self.process is None:
             return None
-        code = stop_process_group(self.process.pid, grace_s=grace_s, process=self.process)
+        pid = self.process.pid
+        code = stop_process_group(pid, grace_s=grace_s, process=self.process)
+        process_guard.remove_marker(self.config.host, self.config.port, pid)
         self.process = None
         return code
 
@@ -556,7 +565,7 @@ def _expected_log(args: argparse.Namespace) -> Path:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
-    cfg = _config_from_args(args)
+    cfg = dataclasses.replace(_config_from_args(args), die_with_parent=False)  # detached: outlives this command
     pid_file = _pid_file(args)
     server = LocalVLLMServer(cfg)
     try:
@@ -633,8 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--host", default=DEFAULT_HOST)
-        p.add_argument("--port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+        p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
         p.add_argument("--log-dir", type=Path, default=None, help=f"default ${ENV_LOG_DIR} or $TMPDIR/eagle3-vllm")
 
     def server_opts(p: argparse.ArgumentParser) -> None:
@@ -642,12 +651,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", required=True, type=Path, help="model directory (e.g. from `eagle3 tiny-model`)")
         p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
         p.add_argument("--python", default=None, help=f"vLLM interpreter (default ${ENV_PYTHON} or .venv-vllm)")
-        p.add_argument("--max-model-len", type=int, default=1024)
-        p.add_argument("--kv-cache-gib", type=int, default=1)
+        p.add_argument("--max-model-len", type=int, default=1024, help="context length (default: %(default)s)")
+        p.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache, GiB (default: %(default)s)")
         p.add_argument("--reasoning-parser", default="deepseek_r1", help="'none' to disable")
         p.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile (slower start-up)")
         p.add_argument("--speculative-config", default=None, help="JSON passed to vLLM --speculative-config")
-        p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+        p.add_argument(
+            "--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, help="seconds (default: %(default)s)"
+        )
         p.add_argument("--reuse", action="store_true", help="reuse a healthy server already on the port")
         p.add_argument(
             "--extra-arg", action="append", help="extra vLLM argument, repeatable (--extra-arg=--max-num-seqs=64)"

@@ -3,7 +3,10 @@
 How the partitions are found: the instance's partition status cache (``DagsterInstance.get_status_by_partition``,
 the one the UI's partition bars read, derived from the event log) over every registered key of the dynamic
 partitions. ``missing`` = never materialized, ``failed`` = the latest run that planned it failed; partitions
-in progress are left alone (a second run would fight the first for the partition lock).
+in progress are left alone (a second run would fight the first for the partition lock). Given the data
+layout, a ``synthetic_responses`` partition whose file no longer answers its prompt set (prompts appended to a
+half-full last partition, edited or dropped: ``lineage.prompt_drift``) is planned too, though Dagster records it
+as materialized.
 
 How it is launched: a ``PartitionBackfill`` written with ``DagsterInstance.add_backfill``, exactly what the
 UI's launch dialog and the GraphQL ``launchPartitionBackfill`` mutation store. It needs no running webserver;
@@ -35,7 +38,9 @@ from eagle3_assets.operations.common import (
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
+    from eagle3_assets.storage import DataLayout
 
 DEFAULT_ASSET = "synthetic_responses"
 LAUNCHED_BY_TAG = "eagle3/launched_by"
@@ -47,6 +52,7 @@ class BackfillPlan:
     registered: list[str]  # every known partition key of the asset
     status: dict[str, dict[str, str]]  # asset -> partition -> materialized/failed/in_progress/missing
     targets: dict[str, list[str]] = field(default_factory=dict)  # asset -> partitions to (re)materialize
+    stale: dict[str, str] = field(default_factory=dict)  # anchor partition -> why its file is out of date
 
     @property
     def empty(self) -> bool:
@@ -56,7 +62,7 @@ class BackfillPlan:
         lines = []
         for name, keys in self.targets.items():
             states = self.status.get(name, {})
-            detail = ", ".join(f"{k} ({states.get(k, MISSING)})" for k in keys) or "nothing"
+            detail = ", ".join(f"{k} ({self.stale.get(k) or states.get(k, MISSING)})" for k in keys) or "nothing"
             lines.append(f"{name}: {len(keys)} partition(s): {detail}")
         busy = sorted(k for k, s in self.status.get(self.asset, {}).items() if s == IN_PROGRESS)
         if busy:
@@ -70,8 +76,10 @@ def plan_missing(
     partitions: Sequence[str] | None = None,
     downstream: bool = True,
     graph: BaseAssetGraph | None = None,
+    layout: DataLayout | None = None,
 ) -> BackfillPlan:
-    """Which partitions of ``asset`` (and its partitioned descendants) are missing or failed."""
+    """Which partitions of ``asset`` (and its partitioned descendants) are missing or failed, or (given
+    ``layout``) hold responses to another prompt set than the partition has now."""
     graph = graph or load_asset_graph()
     anchor = asset_key(asset)
     partitions_def = partitions_def_of(graph, anchor)
@@ -88,17 +96,47 @@ def plan_missing(
             )
         scope = [k for k in registered if k in set(partitions)]
     plan = BackfillPlan(asset=asset, registered=registered, status={})
+    if layout is not None and asset == DEFAULT_ASSET:
+        from eagle3_assets.lineage import prompt_drift
+
+        plan.stale = {k: d.describe() for k, d in prompt_drift(layout, scope).items()}
     chosen: set[str] = set()
+    failed_checks = _failed_checks(layout, [anchor, *partitioned_downstream(graph, anchor)], scope)
     for key in [anchor, *(partitioned_downstream(graph, anchor) if downstream else [])]:
         states = partition_status(instance, key, partitions_def, scope)
         name = key.to_user_string()
         plan.status[name] = states
         own = {k for k, s in states.items() if s in (MISSING, FAILED)}
-        if key != anchor:  # a descendant also follows what is regenerated upstream of it
+        own |= {k for k in failed_checks.get(name, {}) if states.get(k) != IN_PROGRESS}
+        if key == anchor:
+            for k, why in failed_checks.get(name, {}).items():
+                plan.stale.setdefault(k, why)
+            own |= {k for k in plan.stale if states.get(k) != IN_PROGRESS}
+        else:  # a descendant also follows what is regenerated upstream of it
             own |= {k for k in chosen if states.get(k) != IN_PROGRESS}
         plan.targets[name] = [k for k in scope if k in own]
         chosen |= own
     return plan
+
+
+def _failed_checks(
+    layout: DataLayout | None, keys: Sequence[dg.AssetKey], scope: Sequence[str]
+) -> dict[str, dict[str, str]]:
+    """asset -> partition -> "checks failed: ..." for partitions whose recorded (blocking) checks failed: Dagster
+    counts them as materialized (the output was written before its checks ran), but nothing downstream uses them."""
+    if layout is None:
+        return {}
+    from eagle3_assets.lineage import PartitionLineage
+
+    found: dict[str, dict[str, str]] = {}
+    for key in keys:
+        name = key.to_user_string()
+        for partition in scope:
+            lineage = PartitionLineage.load(layout, name, partition)
+            if lineage is not None and lineage.checks and not lineage.checks_passed:
+                failed = sorted(check for check, passed in lineage.checks.items() if not passed)
+                found.setdefault(name, {})[partition] = f"checks failed: {', '.join(failed)}"
+    return found
 
 
 def launch(
@@ -106,10 +144,8 @@ def launch(
 ) -> str:
     """Store the backfill for the daemon; returns its id (Overview > Backfills > id in the UI)."""
     import dagster as dg
-    from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
-    from dagster._core.execution.backfill import PartitionBackfill
-    from dagster._core.utils import make_new_backfill_id
-    from dagster._time import get_current_timestamp
+
+    from eagle3_assets.operations.dagster_internals import store_asset_backfill
 
     if plan.empty:
         raise ValueError("nothing to backfill")
@@ -121,31 +157,20 @@ def launch(
         for name, keys in plan.targets.items()
         if keys
     }
-    backfill = PartitionBackfill.from_asset_graph_subset(
-        backfill_id=make_new_backfill_id(),
-        backfill_timestamp=get_current_timestamp(),
+    return store_asset_backfill(
+        instance,
+        subsets,
         tags={LAUNCHED_BY_TAG: "eagle3 backfill --missing"},
-        dynamic_partitions_store=instance,
-        asset_graph_subset=AssetGraphSubset(partitions_subsets_by_asset_key=subsets),
         title=title or f"missing {plan.asset} ({len(plan.targets[plan.asset])} partitions)",
         description=plan.describe(),
-        run_config=None,
     )
-    instance.add_backfill(backfill)
-    return backfill.backfill_id
 
 
 def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, list[str]]:
     """Partition keys per asset that a stored backfill targets (what the UI lists for it)."""
-    backfill = instance.get_backfill(backfill_id)
-    if backfill is None:
-        raise KeyError(f"no backfill {backfill_id}")
-    data = backfill.asset_backfill_data
-    assert data is not None, "not an asset backfill"
-    return {
-        key.to_user_string(): sorted(subset.get_partition_keys())
-        for key, subset in data.target_subset.partitions_subsets_by_asset_key.items()
-    }
+    from eagle3_assets.operations.dagster_internals import backfill_target_keys
+
+    return backfill_target_keys(instance, backfill_id)
 
 
 def daemon_running(instance: dg.DagsterInstance, within_s: float = 120.0) -> bool:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 # Values of PartitionState.status
 MATERIALIZED = "materialized"
@@ -55,15 +56,9 @@ def partition_status(
     This is the cache the UI's partition bar reads: it is derived from the event log (materializations,
     planned materializations of runs in progress, and failures of runs that planned a partition).
     """
-    from dagster._core.storage.partition_status_cache import AssetPartitionStatus
+    from eagle3_assets.operations.dagster_internals import partition_statuses
 
-    by_key = instance.get_status_by_partition(key, list(partition_keys), partitions_def) or {}
-    names = {
-        AssetPartitionStatus.MATERIALIZED: MATERIALIZED,
-        AssetPartitionStatus.FAILED: FAILED,
-        AssetPartitionStatus.IN_PROGRESS: IN_PROGRESS,
-    }
-    return {k: names.get(by_key.get(k), MISSING) for k in partition_keys}  # type: ignore[arg-type]
+    return partition_statuses(instance, key, partitions_def, partition_keys)
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,8 @@ def latest_materializations(
 ) -> dict[str, RecordedMaterialization]:
     """The newest materialization event per partition (one storage query per 100 partitions)."""
     import dagster as dg
-    from dagster._core.instance.utils import RUNLESS_RUN_ID
+
+    from eagle3_assets.operations.dagster_internals import RUNLESS_RUN_ID
 
     latest: dict[str, RecordedMaterialization] = {}
     keys = list(partition_keys)
@@ -97,7 +93,12 @@ def latest_materializations(
                     continue
                 wanted.discard(partition)
                 materialization = record.asset_materialization
-                rows = materialization.metadata.get("dg.row_count") if materialization else None
+                rows = (
+                    materialization.metadata.get("dagster/partition_row_count")
+                    or materialization.metadata.get("dagster/row_count")
+                    if materialization
+                    else None
+                )
                 run_id = record.run_id if record.run_id != RUNLESS_RUN_ID else ""
                 latest[partition] = RecordedMaterialization(
                     partition, record.timestamp, run_id, int(rows.value) if rows is not None else None

@@ -3,7 +3,10 @@
 ``where`` is ``both`` (file and materialization agree), ``disk only`` (a file Dagster does not count as
 materialized: run ``eagle3 sync``), ``dagster only`` (a recorded materialization whose file is gone: the next
 missing-only backfill will NOT regenerate it; wipe the partition in the UI or materialize it again) or
-``neither``. ``rows`` compares the file's footer with the ``dg.row_count`` of the latest materialization.
+``neither``. A ``synthetic_responses`` file that no longer answers its partition's prompt set (prompts appended
+to a half-full partition, edited or dropped) is noted ``prompts changed``: ``eagle3 backfill --missing`` plans
+it; so is a partition whose recorded (blocking) checks failed (noted ``checks failed``). ``rows`` compares the
+file's footer with the ``dagster/partition_row_count`` of the latest materialization.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout, footer_row_cou
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 BOTH, DISK_ONLY, DAGSTER_ONLY, NEITHER = "both", "disk only", "dagster only", "neither"
 
@@ -35,9 +39,10 @@ class PartitionRow:
     where: str
     dagster_status: str  # materialized / failed / in_progress / missing / unregistered
     disk_rows: int | None  # None: no file, or a file that is not readable Parquet (see error)
-    dagster_rows: int | None  # dg.row_count of the latest materialization
+    dagster_rows: int | None  # dagster/partition_row_count of the latest materialization
     synced: bool  # the latest materialization was recorded by `eagle3 sync`, not by a run
     error: str = ""  # why the file on disk is unreadable
+    stale: str = ""  # why the file is out of date (prompts changed) or unusable (checks failed); empty: current
 
     @property
     def rows_agree(self) -> bool | None:
@@ -53,7 +58,10 @@ def partition_table(
     instance: dg.DagsterInstance, layout: DataLayout, graph: BaseAssetGraph | None = None
 ) -> list[PartitionRow]:
     graph = graph or load_asset_graph()
+    from eagle3_assets.lineage import prompt_drift
+
     rows: list[PartitionRow] = []
+    drift = {k: d.describe() for k, d in prompt_drift(layout).items()}
     for name in PARTITIONED_ASSETS:
         key = asset_key(name)
         files = layout.partition_files(name)
@@ -87,9 +95,19 @@ def partition_table(
                     record.row_count if record else None,
                     bool(record and not record.run_id),
                     errors.get(partition, ""),
+                    drift.get(partition) or _failed_checks(layout, name, partition),
                 )
             )
     return rows
+
+
+def _failed_checks(layout: DataLayout, asset: str, partition: str) -> str:
+    from eagle3_assets.lineage import PartitionLineage
+
+    lineage = PartitionLineage.load(layout, asset, partition)
+    if lineage is None or not lineage.checks or lineage.checks_passed:
+        return ""
+    return "checks failed: " + ", ".join(sorted(k for k, ok in lineage.checks.items() if not ok))
 
 
 def render(rows: list[PartitionRow]) -> str:
@@ -99,6 +117,8 @@ def render(rows: list[PartitionRow]) -> str:
         note = []
         if row.error:
             note.append(f"UNREADABLE: {row.error[:60]}")
+        if row.stale:
+            note.append(f"{row.stale.upper()} (eagle3 backfill --missing)")
         if row.rows_agree is False:
             note.append("ROW COUNTS DIFFER")
         if row.synced:

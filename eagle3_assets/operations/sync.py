@@ -30,7 +30,8 @@ from eagle3_assets.storage import DataLayout
 
 if TYPE_CHECKING:
     import dagster as dg
-    from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+    from eagle3_assets.operations.dagster_internals import BaseAssetGraph
 
 SYNC_TAG = "eagle3/synced_from_disk"
 HIDDEN_STATES_INDEX_COLUMNS = ("sample_id", "row", "seq_len", "file")
@@ -53,6 +54,10 @@ class SyncReport:
     already: list[FileVerdict] = field(default_factory=list)  # Dagster already has them materialized
     skipped_failed: list[FileVerdict] = field(default_factory=list)  # valid, but Dagster records a failure
     invalid: list[FileVerdict] = field(default_factory=list)
+
+
+# Rows of the file (Parquet footer); recorded under Dagster's row-count key of the asset's kind.
+ROWS = "rows"
 
 
 def _quote(path: Path) -> str:
@@ -78,7 +83,7 @@ def validate_prompts(layout: DataLayout) -> FileVerdict:
     needed = {"sample_id", "position", "partition_key", "messages"}
     if not needed <= columns:
         return FileVerdict("raw_prompts", None, path, False, f"missing columns {sorted(needed - columns)}")
-    return FileVerdict("raw_prompts", None, path, True, metadata={"dg.row_count": rows})
+    return FileVerdict("raw_prompts", None, path, True, metadata={ROWS: rows})
 
 
 def prompt_partition_keys(layout: DataLayout) -> list[str]:
@@ -109,6 +114,11 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
     outcome = completeness_check(path, expected_ids)
     if not outcome.passed:
         return FileVerdict("synthetic_responses", key, path, False, f"incomplete: {outcome.description}")
+    from eagle3_assets.lineage import prompt_drift
+
+    drift = prompt_drift(layout, [key]).get(key)  # same ids, other prompts: the rows answer old questions
+    if drift is not None:
+        return FileVerdict("synthetic_responses", key, path, False, drift.describe())
     with duckdb.connect() as con:
         ok, failed, truncated, prompt_tokens, completion_tokens = con.execute(
             f"""SELECT count(*) FILTER (WHERE status = 'ok'), count(*) FILTER (WHERE status = 'failed'),
@@ -123,7 +133,7 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
         path,
         True,
         metadata={
-            "dg.row_count": rows,
+            ROWS: rows,
             "ok": int(ok),
             "failed": int(failed),
             "truncated": int(truncated),
@@ -159,7 +169,7 @@ def validate_hidden_states(layout: DataLayout, key: str) -> FileVerdict:
         )
     if not layout.hidden_states_dir(key).is_dir():
         return FileVerdict("hidden_states", key, path, False, f"no data folder {layout.hidden_states_dir(key)}")
-    return FileVerdict("hidden_states", key, path, True, metadata={"dg.row_count": rows})
+    return FileVerdict("hidden_states", key, path, True, metadata={ROWS: rows})
 
 
 def sync(
@@ -225,6 +235,8 @@ def _record_if_missing(
 ) -> None:
     import dagster as dg
 
+    from eagle3_assets.defs.metadata import parquet_table
+
     key = asset_key(verdict.asset)
     if state is None:  # unpartitioned: materialized when any materialization exists
         state = MATERIALIZED if instance.get_latest_materialization_event(key) is not None else MISSING
@@ -238,13 +250,15 @@ def _record_if_missing(
         report.already.append(verdict)
         return
     if not dry_run:
+        partitioned = verdict.partition_key is not None
         instance.report_runless_asset_event(
             dg.AssetMaterialization(
                 asset_key=key,
                 partition=verdict.partition_key,
                 description=f"recorded by `eagle3 sync` from {verdict.path}",
                 metadata={
-                    **verdict.metadata,
+                    **{k: v for k, v in verdict.metadata.items() if k != ROWS},
+                    **parquet_table(verdict.path, verdict.metadata[ROWS], partitioned=partitioned),
                     "path": dg.MetadataValue.path(str(verdict.path)),
                     "file_modified_at": dg.MetadataValue.timestamp(verdict.path.stat().st_mtime),
                     SYNC_TAG: True,

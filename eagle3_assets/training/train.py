@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets import lineage
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import (
     DataLayout,
@@ -536,6 +537,8 @@ def train_draft(
         fingerprint = _fingerprint(
             train_keys, val_key, verifier_path, layer_ids, draft_vocab_size, config, data_samples
         )
+        # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
+        fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path)
         history: dict[str, Any] = {
             "train_loss": [],
             "val_loss": [],

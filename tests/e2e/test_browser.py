@@ -7,6 +7,7 @@ with that hint when either is missing. Screenshots go to ``$EAGLE3_TEST_ARTIFACT
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import urllib.request
@@ -121,6 +122,10 @@ def test_asset_graph_and_partition_metadata_render(webserver: str) -> None:
                 expect(graph.get_by_text(group, exact=True).first).to_be_visible()
             page.screenshot(path=str(out / "asset_graph_groups.png"))
             page.goto(f"{webserver}/locations/{LOCATION}/asset-groups/generation/lineage", wait_until="networkidle")
+            # the group's page renders its graph after the network settles (slowly on a busy machine); on a
+            # timeout (playwright's TimeoutError) the global graph is expanded instead
+            with contextlib.suppress(Exception):
+                page.get_by_text("synthetic_responses", exact=True).first.wait_for(timeout=30_000)
             if not page.get_by_text("synthetic_responses", exact=True).count():
                 page.goto(f"{webserver}/asset-groups", wait_until="networkidle")
                 for group, asset in (("prompts", "raw_prompts"), ("generation", "synthetic_responses")):
@@ -129,18 +134,26 @@ def test_asset_graph_and_partition_metadata_render(webserver: str) -> None:
             expect(graph.get_by_text("vllm", exact=True).first).to_be_visible()  # a kind tag
             page.screenshot(path=str(out / "asset_graph.png"))
 
-            # 2. A partition page: the materialization's metadata with row count and token stats.
+            # 2. The catalog's asset page: Dagster's own row count (dagster/row_count) and the column schema.
+            page.goto(f"{webserver}/assets/raw_prompts", wait_until="networkidle")
+            label = page.get_by_text("Row count", exact=True)
+            expect(label).to_be_visible()
+            expect(label.locator("xpath=..")).to_contain_text("40")
+            expect(page.get_by_text("Columns", exact=True).first).to_be_visible()
+            expect(page.get_by_text("sample_id", exact=True).first).to_be_visible()
+            page.screenshot(path=str(out / "raw_prompts_row_count.png"), full_page=True)
+
+            # 3. A partition page: dagster/partition_row_count and the token stats.
             page.goto(
                 f"{webserver}/assets/synthetic_responses?view=partitions&partition=00000", wait_until="networkidle"
             )
-            expect(page.get_by_text("dg.row_count", exact=True)).to_be_visible()
-            row = page.locator("tr", has=page.get_by_text("dg.row_count", exact=True))
+            row = page.locator("tr", has=page.get_by_text("dagster/partition_row_count", exact=True))
             expect(row).to_contain_text("20")
             for key in ("ok", "completion_tokens", "output_tokens_per_s", "latency_p95_s"):
                 expect(page.get_by_text(key, exact=True).first).to_be_visible()
             page.screenshot(path=str(out / "synthetic_responses_partition.png"), full_page=True)
 
-            # 3. The length histogram: a real PNG decoded by the browser (not a broken image).
+            # 4. The length histogram: a real PNG decoded by the browser (not a broken image).
             page.locator("tr", has=page.get_by_text("completion_length_histogram", exact=True)).get_by_text(
                 "[Show Markdown]"
             ).click()

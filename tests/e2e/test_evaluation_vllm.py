@@ -1,5 +1,5 @@
 """draft_evaluation against the real CPU vLLM: greedy outputs with an EAGLE-3 draft equal the plain verifier's, and the
-spec-decode counters the online evaluation reads move as vLLM defines them.
+per-request speculative metrics the online evaluation counts (a server started with a draft reports them).
 
 The plain server is the session's shared ``vllm_server``; the speculative one needs its own start (~130 s).
 """
@@ -38,10 +38,10 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     config = OnlineConfig(
         k=K, max_tokens=64, concurrency=2, python=vllm_server.config.python, log_dir=tmp_path / "logs"
     )
-    plain = _measure(vllm_server.base_url, vllm_server.model_name, prompts, config)
+    plain = _measure(vllm_server.base_url, vllm_server.model_name, prompts, config)  # no draft: no spec metrics
     assert plain.counters["drafts"] == 0  # no speculation on the plain server
     with _local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
-        spec = _measure(server.base_url, server.model_name, prompts, config)
+        spec = _measure(server.base_url, server.model_name, prompts, config, speculative=True)
 
     assert all(g.token_ids for g in plain.generations + spec.generations), "vLLM returned no token ids"
     assert mismatched(plain.generations, spec.generations) == []

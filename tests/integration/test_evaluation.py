@@ -104,25 +104,15 @@ def test_stats_and_report_files(tmp_path: Path) -> None:
     assert not list(json_path.parent.glob(".*tmp*"))  # atomic writes leave nothing behind
 
 
-def test_counter_deltas_from_metrics_text() -> None:
-    from eagle3_assets.evaluation.online import ACCEPTED_PER_POS, counter_delta
-    from eagle3_assets.local.vllm_server import metric_total
+def test_acceptance_counts_from_a_per_request_histogram() -> None:
+    from eagle3_assets.evaluation.online import acceptance_counts
 
-    def text(drafts: int, per: list[int]) -> str:
-        lines = [f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}.0']
-        lines += [f'{ACCEPTED_PER_POS}{{engine="0",model_name="m",position="{j}"}} {n}.0' for j, n in enumerate(per)]
-        return "\n".join(lines)
-
-    def counters(t: str) -> dict:
-        return {
-            "drafts": metric_total(t, "vllm:spec_decode_num_drafts_total"),
-            "draft_tokens": 0.0,
-            "accepted": 0.0,
-            "per_position": [metric_total(t, ACCEPTED_PER_POS, {"position": str(j)}) for j in range(K)],
-        }
-
-    delta = counter_delta(counters(text(5, [4, 2, 1])), counters(text(12, [10, 6, 2])))
-    assert delta["drafts"] == 7 and delta["per_position"] == [6, 4, 1]
+    # vLLM's metrics.speculative_decoding: 5 verify steps accepted 0, 2 accepted 1, 1 accepted 2, 2 accepted 3
+    counts = acceptance_counts({"acceptance_histogram": [5, 2, 1, 2], "num_draft_tokens": 30}, K)
+    assert counts == {"drafts": 10, "draft_tokens": 30, "accepted": 10, "per_position": [5, 3, 2]}
+    assert sum(counts["per_position"]) == counts["accepted"]
+    with pytest.raises(ValueError, match="4 bins"):
+        acceptance_counts({"acceptance_histogram": [1, 2, 3, 4], "num_draft_tokens": 3}, 2)
 
 
 # ------------------------------------------------------------------------------------ offline on stored data
@@ -256,7 +246,7 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
     import torch
 
     from eagle3_assets.defs.evaluation import draft_evaluation
-    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+    from eagle3_assets.defs.resources import DataStoreResource, EvaluationServersResource, VerifierResource
     from eagle3_assets.training.train import TrainConfig, build_draft
 
     layout, verifier = stored
@@ -269,6 +259,7 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
         resources={
             "data_store": DataStoreResource(data_dir=str(layout.root)),
             "verifier": VerifierResource(path=str(verifier)),
+            "evaluation_servers": EvaluationServersResource(),
         },
         run_config={"ops": {"draft_evaluation": {"config": {"online": False, "offline_max_samples": 2}}}},
     )
@@ -277,6 +268,10 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
     metadata = event.materialization.metadata
     assert "offline_trained_mean_acceptance_length" in metadata
     assert "offline_untrained_mean_acceptance_length" in metadata
-    assert "| trained | offline |" in metadata["table"].value
+    rows = [r.data for r in metadata["table"].records]
+    assert {(r["draft"], r["method"]) for r in rows} == {("trained", "offline"), ("untrained", "offline")}
+    k = metadata["k"].value
+    assert all(1.0 <= r["mean_acceptance_length"] <= 1 + k for r in rows if r["drafts"])  # NaN: an empty cell
+    assert metadata["dagster/row_count"].value == 2 and "| trained | offline |" in metadata["report_markdown"].value
     assert "data:image/png;base64" in metadata["acceptance_per_position"].value
     assert (layout.evaluation_dir / "report.json").exists() and (layout.evaluation_dir / "report.md").exists()

@@ -197,8 +197,8 @@ def test_a_server_that_refuses_the_key_fails_at_once_without_showing_it(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The health check sends the server's VLLM_API_KEY (from extra_env over the caller's environment, or an
-    --api-key in extra_args); a 401 fails start() at once with "the server requires an API key", never with the key
+    """The health check sends the server's VLLM_API_KEY (from extra_env over the caller's environment; --api-key in
+    extra_args is refused); a 401 fails start() at once with "the server requires an API key", never with the key
     and not after the start-up timeout; the same for reusing a server on the port and for the status command."""
     sent, required = "sk-sent-0123456789", "sk-required-0123456789"
     monkeypatch.setenv("VLLM_API_KEY", sent)
@@ -212,8 +212,10 @@ def test_a_server_that_refuses_the_key_fails_at_once_without_showing_it(
 
     config = _config(tmp_path, model_dir, {**enforcing, "VLLM_API_KEY": required})
     assert config.api_key() == required
-    assert _config(tmp_path, model_dir, enforcing, extra_args=["--api-key", "k1"]).api_key() == "k1"
-    assert _config(tmp_path, model_dir, enforcing, extra_args=["--api-key=k2"]).api_key() == "k2"
+    for extra in (["--api-key", "k1"], ["--api-key=k2"]):  # never on a command line: refused, value not repeated
+        with pytest.raises(vs.VLLMServerError, match="--api-key is refused") as refused:
+            _config(tmp_path, model_dir, enforcing, extra_args=extra)
+        assert "k1" not in str(refused.value) and "k2" not in str(refused.value)
     with vs.LocalVLLMServer(config) as running:
         assert running.healthy()
         assert vs.list_models(running.base_url) is None

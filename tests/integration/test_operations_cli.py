@@ -29,4 +29,4 @@ def test_operations_need_a_dagster_home(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_backfill_requires_missing(capsys) -> None:
     assert cli.main(["backfill", "--dry-run"]) == 2
-    assert "only --missing" in capsys.readouterr().err
+    assert "add --missing" in capsys.readouterr().err

@@ -18,11 +18,14 @@ from support.operations import make_dagster_home, write_prompts
 
 
 def write_responses(layout: DataLayout, key: str, sample_ids: list[str], failed: int = 0) -> Path:
+    # the prompts' own messages: a file answering other prompts under these ids is stale (sync refuses it)
+    table = pl.read_parquet(layout.prompts_path, columns=["sample_id", "messages"])
+    messages = dict(zip(table["sample_id"].to_list(), table["messages"].to_list(), strict=True))
     rows = [
         {
             "sample_id": sid,
             "partition_key": key,
-            "messages": [{"role": "user", "content": sid}],
+            "messages": messages[sid],
             "reasoning": "r",
             "content": "c",
             "finish_reason": "stop" if i >= failed else None,
@@ -86,7 +89,9 @@ def test_sync_records_valid_files_and_reports_broken_ones(on_disk: DataLayout, c
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("synthetic_responses"), asset_partitions=["00001"]), limit=5
         ).records
         metadata = records[0].asset_materialization.metadata
-        assert metadata["dg.row_count"].value == 4 and metadata["ok"].value == 3 and metadata["failed"].value == 1
+        assert metadata["dagster/partition_row_count"].value == 4
+        assert metadata["ok"].value == 3 and metadata["failed"].value == 1
+        assert "sample_id" in [c.name for c in metadata["dagster/column_schema"].schema.columns]
         assert metadata[SYNC_TAG].value is True
         plan = backfill.plan_missing(instance)
         assert plan.targets["synthetic_responses"] == ["00002", "00003", "00004"]
@@ -145,7 +150,7 @@ def test_hidden_states_index_is_validated_against_the_ok_responses(on_disk: Data
     assert validate_hidden_states(on_disk, "00001").reason.startswith("no data folder")
     on_disk.hidden_states_dir("00001").mkdir()
     verdict = validate_hidden_states(on_disk, "00001")
-    assert verdict.valid and verdict.metadata["dg.row_count"] == 3
+    assert verdict.valid and verdict.metadata["rows"] == 3
     write_index(ok_ids[:-1])
     assert "not one per ok response" in validate_hidden_states(on_disk, "00001").reason
     index.write_bytes(b"garbage")

@@ -55,7 +55,7 @@ def test_partitions_follow_the_dataset_and_growth_never_moves_a_sample(
     assert instance.get_dynamic_partitions(PROMPT_PARTITIONS.name) == ["00000", "00001", "00002", "00003", "00004"]
     metadata = result.asset_materializations_for_node("raw_prompts")[0].metadata
     assert metadata["new_samples"].value == 16
-    assert metadata["dg.row_count"].value == 41
+    assert metadata["dagster/row_count"].value == 41
     checks = result.get_asset_check_evaluations()
     assert checks and all(c.passed for c in checks)
 

@@ -147,8 +147,10 @@ def test_second_run_of_a_running_partition_fails_at_once_and_the_first_completes
     _check_intact(layout, key, prompts)
 
     # The lock is released with the first run (flock dies with its holder): the next run is accepted and,
-    # finding everything done, sends nothing.
-    again = generate_partition(prompts, key, layout, quick_config("http://127.0.0.1:9/v1"), log=lambda _m: None)
+    # finding everything done under the same settings (the writer's max_tokens; the model its manifest recorded,
+    # since no server answers), sends nothing.
+    dead = quick_config("http://127.0.0.1:9/v1", max_tokens=4000)
+    again = generate_partition(prompts, key, layout, dead, log=lambda _m: None)
     assert (again.requested, again.resumed) == (0, 30)
 
 

@@ -19,7 +19,7 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
 from support.fake_vllm import FakeConfig, FakeServerProcess
-from support.reliability import journal_lines, sigkill_child_when
+from support.reliability import block_before_rename, block_inside_parquet_write, journal_lines, sigkill_child_when
 
 KEY = "00007"
 N = 120
@@ -38,9 +38,12 @@ COMPARED = [
     "error",
 ]
 
-CHILD = textwrap.dedent(
-    f"""
-    import sys
+CHILD = (
+    block_before_rename(3)
+    + block_inside_parquet_write(3)
+    + textwrap.dedent(
+        f"""
+    import sys, time
     from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
     from eagle3_assets.storage import DataLayout
 
@@ -52,7 +55,9 @@ CHILD = textwrap.dedent(
     print("START", flush=True)
     generate_partition(prompts, "{KEY}", DataLayout.at(root), config, log=lambda m: None)
     print("DONE", flush=True)
+    time.sleep(3600)  # a kill just after the end still lands on a live process
     """
+    )
 )
 
 
@@ -114,6 +119,31 @@ def test_sigkill_at_a_random_point_then_resume_equals_an_uninterrupted_run(
     assert list(layout.partition_files("synthetic_responses")) == [KEY]
     assert not list(layout.asset_dir("synthetic_responses").glob(".*.tmp-*"))  # no leftover of a killed write
     assert not journal.exists()
+
+
+@pytest.mark.parametrize("point", ["inside-the-parquet-write", "before-the-rename"])
+def test_sigkill_inside_the_final_write_then_resume_equals_an_uninterrupted_run(
+    point: str, server: FakeServerProcess, reference: pl.DataFrame, tmp_path: Path
+) -> None:
+    """The child stops for good with half the final Parquet written, or with it written and not yet renamed, and is
+    SIGKILLed there: the partition has no file, the journal holds every sample, and the next run writes the same
+    rows without a request."""
+    layout = DataLayout.at(tmp_path / "data")
+    journal = layout.responses_in_progress_path(KEY)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    marker = tmp_path / "blocked"
+    block = "--block-parquet" if point == "inside-the-parquet-write" else f".{KEY}.parquet.tmp-"
+    sigkill_child_when(script, [server.base_url, str(layout.root), block, str(marker)], marker.exists, 60)
+    temporaries = list(layout.asset_dir("synthetic_responses").glob(f".{KEY}.parquet.tmp-*"))
+    assert len(temporaries) == 1 and not layout.responses_path(KEY).exists()  # killed with the temporary written
+    assert layout.partition_files("synthetic_responses") == {} and journal_lines(journal) == N
+
+    result = generate_partition(make_prompts(), KEY, layout, config(server.base_url), log=lambda _m: None)
+    assert (result.requested, result.resumed) == (0, N)
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.select(COMPARED).equals(reference.select(COMPARED)), point
+    assert not list(layout.asset_dir("synthetic_responses").glob(".*.tmp-*")) and not journal.exists()
 
 
 def test_temporary_file_of_a_writer_killed_mid_write_is_removed_by_the_next_write(tmp_path: Path) -> None:

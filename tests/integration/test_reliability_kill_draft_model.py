@@ -52,7 +52,7 @@ KILLS = [(3, "steps"), (11, "checkpoint"), (29, "final-save"), (41, "final")]
 
 CHILD = block_before_rename(7) + textwrap.dedent(
     """
-    import sys
+    import sys, time
     from torch.optim.optimizer import register_optimizer_step_post_hook
     # the ~20 s speculators import happens before START, so the kill thresholds time only the training
     import speculators.models.eagle3, speculators.train.data, speculators.train.optimizers  # noqa: F401
@@ -65,6 +65,7 @@ CHILD = block_before_rename(7) + textwrap.dedent(
     print("START", flush=True)
     train_draft(DataLayout.at(root), train.split(","), val, verifier, TrainConfig(**eval(config)))
     print("DONE", flush=True)
+    time.sleep(3600)  # a kill just after the end still lands on a live process
     """
 )
 

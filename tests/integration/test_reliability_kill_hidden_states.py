@@ -17,6 +17,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.lineage import hidden_states_staging_dir
 from eagle3_assets.storage import DataLayout
 from support.reliability import block_before_rename, sigkill_child_when
 
@@ -29,13 +30,14 @@ KILLS = [(2, "samples"), (17, "samples"), (5, "final-writes")]
 
 CHILD = block_before_rename(3) + textwrap.dedent(
     f"""
-    import sys
+    import sys, time
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.storage import DataLayout
     print("START", flush=True)
     extract_partition(DataLayout.at(sys.argv[1]), "{KEY}", sys.argv[2],
                       HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600))
     print("DONE", flush=True)
+    time.sleep(3600)  # a kill "just after the end" still lands on a live process (the helper asserts SIGKILL)
     """
 )
 
@@ -104,7 +106,7 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
     root = tmp_path / "data"
     shutil.copytree(base, root)
     layout = DataLayout.at(root)
-    data_dir = layout.hidden_states_dir(KEY)
+    data_dir = hidden_states_staging_dir(layout, KEY)  # a partition is built here and published whole
     hs_dir = data_dir / "hidden_states"
     rng = random.Random(seed)
     if mode == "samples":  # among the sample files (4 writer threads: several are in flight at once)
@@ -128,6 +130,7 @@ def test_sigkill_hidden_states_at_a_random_point_then_resume_equals_an_uninterru
     kept = {p.name: p.stat().st_mtime_ns for p in hs_dir.iterdir()} if hs_dir.is_dir() else {}
     result = extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
     whole = {name for name in kept if name.startswith("hs_")}
+    hs_dir = layout.hidden_states_dir(KEY) / "hidden_states"  # published: hard links of the staged files
     assert result.skipped_existing >= len(whole) - 1, where  # at most the file being written at the kill was redone
     after = {name: (hs_dir / name).stat().st_mtime_ns for name in whole if (hs_dir / name).exists()}
     assert sum(1 for name in whole if after.get(name) == kept[name]) >= len(whole) - 1, where
@@ -153,7 +156,7 @@ def test_temporary_files_of_a_killed_extraction_are_removed_by_the_next_run(
     sigkill_child_when(script, [str(root), str(verifier), ".token_freq.pt.tmp-", str(marker)], marker.exists, 120)
     folder = layout.asset_dir("hidden_states")
     stale = sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
-    assert [name.split("-")[0] for name in stale] == [f"{KEY}/.token_freq.pt.tmp"], stale  # what the kill left
+    assert [name.split("-")[0] for name in stale] == [f"_staging/{KEY}/.token_freq.pt.tmp"], stale  # the kill's
 
     extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
     _assert_equal_partitions(layout, DataLayout.at(reference), "after a kill during the token_freq write")

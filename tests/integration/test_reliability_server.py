@@ -141,7 +141,7 @@ def test_bad_200_bodies_that_persist_fail_only_the_affected_samples_with_the_rea
     assert _rows(layout).filter(pl.col("sample_id").is_in(ok["sample_id"].to_list())).equals(ok)
 
 
-def test_wrong_model_name_fails_new_samples_with_the_404_and_keeps_finished_ones(
+def test_wrong_model_name_fails_with_the_404_and_the_right_one_reuses_finished_samples(
     layout: DataLayout, tmp_path: Path
 ) -> None:
     first = make_prompts(20, tag="model")
@@ -157,16 +157,17 @@ def test_wrong_model_name_fails_new_samples_with_the_404_and_keeps_finished_ones
         )
         stats = server.stats()
         assert any("'no-such-model' is not among the served models" in line for line in logs), logs
-        assert (result.total, result.resumed, result.ok, result.failed) == (30, 20, 20, 10)
-        # a 404 is not retried: one request per new sample, none for the finished ones
-        assert stats["total_requests"] == 10 and stats["outcomes"] == {"404": 10}
+        # another model is another request (issue 14): the finished rows answer the old one and are asked again;
+        # a 404 is not retried: one request per sample
+        assert (result.total, result.resumed, result.ok, result.failed) == (30, 0, 0, 30)
+        assert stats["total_requests"] == 30 and stats["outcomes"] == {"404": 30}
         frame = _rows(layout)
-        assert frame.head(20).equals(done)
         failed = frame.filter(pl.col("status") == "failed")
-        assert failed["sample_id"].to_list() == [p.sample_id for p in more[20:]]
+        assert failed["sample_id"].to_list() == [p.sample_id for p in more]
         assert set(failed["error"]) == {"HTTP 404: The model `no-such-model` does not exist."}
         assert set(failed["attempts"]) == {1}
 
+        # the right name again: the rows finished for it were kept aside (_superseded) and are reused as they were
         server.reset_stats()
         fixed = generate_partition(more, KEY, layout, quick_config(server.base_url), log=lambda _m: None)
         assert server.stats()["total_requests"] == 10

@@ -34,7 +34,7 @@ def test_partitions_materialize_with_metadata_and_checks(
             )
             assert result.success
             metadata = result.asset_materializations_for_node("synthetic_responses")[0].metadata
-            assert metadata["ok"].value + metadata["failed"].value == metadata["dg.row_count"].value
+            assert metadata["ok"].value + metadata["failed"].value == metadata["dagster/partition_row_count"].value
             assert "completion_length_histogram" in metadata
             assert all(check.passed for check in result.get_asset_check_evaluations())
     assert partition_row_counts(layout) == {"synthetic_responses": {"00000": 10, "00002": 5}}

@@ -17,7 +17,7 @@ from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.resources import default_resources, env_value, settings_markdown, settings_resources
+from eagle3_assets.defs.resources import default_resources, env_value, settings_classes, settings_markdown
 from eagle3_assets.defs.responses import synthetic_responses
 from support.common import write_jsonl
 
@@ -116,7 +116,7 @@ def test_run_config_errors_have_the_same_shape() -> None:
 def test_readme_table_is_generated_from_the_declarations() -> None:
     table = settings_markdown()
     assert table in (REPO / "README.md").read_text(), "run `eagle3 config --markdown` and paste it into README.md"
-    env_keys = [f.env for cls in settings_resources().values() for f in settings.declared(cls) if f.env]
+    env_keys = [f.env for cls in settings_classes() for f in settings.declared(cls) if f.env]
     assert len(env_keys) == len(set(env_keys)), "an EAGLE3_* variable is declared twice"
     for key in [*env_keys, "EAGLE3_API_KEY"]:
         assert f"`{key}`" in table

@@ -20,7 +20,10 @@ What it imitates:
 - Fault injection, drawn per request from (seed, prompt, how many times that prompt was seen before), so a
   run is reproducible and a retried request usually succeeds: HTTP 500, 429, connection reset part-way
   through the body, hang (never answers), truncated body / stream, invalid JSON, a 200 whose body is not a
-  chat completion, and empty ``choices``.
+  chat completion, empty ``choices``, and a 200 whose fields have the wrong type (``content`` a list,
+  ``reasoning`` an object, usage counts as strings).
+- A key revoked mid-run: with ``revoke_after`` > 0, every chat request after the first ``revoke_after``
+  is answered ``revoke_status`` (401 or 403) as if the key had been withdrawn.
 - Capacity like vLLM's ``--max-num-seqs``: with ``max_num_seqs`` > 0 at most that many requests generate at
   once and the rest wait in arrival order (their tokens start when they are scheduled); ``GET /metrics``
   exports ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` in vLLM's Prometheus text format
@@ -68,7 +71,13 @@ FAULT_KINDS = (
     "invalid_json",
     "non_completion",
     "empty_choices",
+    # a 200 that lies about its types (vLLM never does; a proxy or another server might)
+    "content_list",  # content as a list of parts
+    "reasoning_object",  # reasoning as an object
+    "usage_strings",  # usage counts as strings
 )
+# the lying kinds: the body is whole and well-formed JSON, only a field's type is wrong
+LYING_FAULTS = frozenset({"content_list", "reasoning_object", "usage_strings"})
 
 _FORCED_TOKENS = re.compile(r"\[\[fake_tokens=(\d+)\]\]")
 _TOKEN_WIDTH = 6
@@ -91,6 +100,8 @@ class FakeConfig:
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
     hang_s: float = 3600.0
+    revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
+    revoke_status: int = 401
     max_num_seqs: int = 0  # sequences generating at once; beyond it requests wait (0 = no limit)
     metrics: bool = True  # serve GET /metrics (vLLM's scheduler gauges)
     faults: dict[str, float] = field(default_factory=dict)
@@ -205,6 +216,7 @@ _REASONS = {
     200: "OK",
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     429: "Too Many Requests",
     500: "Internal Server Error",
@@ -398,6 +410,11 @@ class _Connection(asyncio.Protocol):
         stats.total += 1
         if stats.first_request_at is None:
             stats.first_request_at = time.time()
+        if config.revoke_after and stats.total > config.revoke_after:
+            stats.outcomes["revoked"] += 1
+            status = config.revoke_status
+            self.respond(status, _error_body(status, "the API key was revoked", "AuthenticationError"))
+            return
         model = request.get("model")
         if model != config.model:
             stats.outcomes["404"] += 1
@@ -456,13 +473,15 @@ class _Connection(asyncio.Protocol):
             "choices": []
             if c.fault == "empty_choices"
             else [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish, "stop_reason": None}],
-            "usage": {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n},
+            "usage": c.usage(),
             "prompt_logprobs": None,
         }
         if c.return_token_ids:  # vLLM's shape: prompt ids at the top, completion ids in the choice
             data["prompt_token_ids"] = prompt_token_ids(c.key, c.n_prompt)
             for choice in data["choices"]:
                 choice["token_ids"] = token_ids(c.key, 0, c.n)
+        if c.fault in LYING_FAULTS:
+            _lie(c.fault, message, c.config.reasoning_field)
         body = json.dumps(data).encode()
         if c.fault == "invalid_json":
             self.respond(200, body[: len(body) // 2])
@@ -488,6 +507,8 @@ class _Connection(asyncio.Protocol):
             f'"model":"{config.model}","choices":'
         ).encode()
         first = b'[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+        if c.fault == "reasoning_object":  # also when the answer has no reasoning tokens to carry the lie
+            first = first.replace(b'"content":""', b'"content":"","reasoning":{}')
         if c.return_token_ids:  # vLLM sends the prompt's ids once, in the first chunk
             first += b',"prompt_token_ids":' + json.dumps(prompt_token_ids(c.key, c.n_prompt)).encode()
         self.write(_chunk(prefix + first + b"}\n\n"))
@@ -507,16 +528,20 @@ class _Connection(asyncio.Protocol):
             if sent < n_reasoning:
                 upto = min(ready, n_reasoning)
                 if field_name != "none":
-                    text = token_text(c.key, sent, upto - sent)
+                    text = json.dumps(token_text(c.key, sent, upto - sent))
+                    if c.fault == "reasoning_object":
+                        text = f'{{"text":{text}}}'
                     parts.append(
-                        f'[{{"index":0,"delta":{{"{field_name}":{json.dumps(text)}}},'
+                        f'[{{"index":0,"delta":{{"{field_name}":{text}}},'
                         f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n'
                     )
                 sent = upto
             if ready > sent:
-                text = token_text(c.key, sent, ready - sent)
+                text = json.dumps(token_text(c.key, sent, ready - sent))
+                if c.fault == "content_list":
+                    text = f'[{{"type":"text","text":{text}}}]'
                 parts.append(
-                    f'[{{"index":0,"delta":{{"content":{json.dumps(text)}}},'
+                    f'[{{"index":0,"delta":{{"content":{text}}},'
                     f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n'
                 )
                 sent = ready
@@ -543,12 +568,20 @@ class _Connection(asyncio.Protocol):
                 f'"stop_reason":null}}]}}\n\n'.encode()
             )
         if c.include_usage:
-            usage = {"prompt_tokens": c.n_prompt, "completion_tokens": c.n, "total_tokens": c.n_prompt + c.n}
-            tail.append(prefix + b'[],"usage":' + json.dumps(usage).encode() + b"}\n\n")
+            tail.append(prefix + b'[],"usage":' + json.dumps(c.usage()).encode() + b"}\n\n")
         tail.append(b"data: [DONE]\n\n")
         self.write(b"".join(_chunk(t) for t in tail) + b"0\r\n\r\n")
         if c.fault is None:
             self.app.stats.completed += 1
+
+
+def _lie(fault: str, message: dict[str, Any], reasoning_field: str) -> None:
+    """Give one field of a whole, well-formed completion body the wrong type (usage: see _Completion.usage)."""
+    if fault == "content_list":
+        message["content"] = [{"type": "text", "text": message["content"]}]
+    elif fault == "reasoning_object":
+        name = "reasoning" if reasoning_field == "none" else reasoning_field
+        message[name] = {"text": message.get(name) or ""}
 
 
 @dataclass
@@ -567,6 +600,13 @@ class _Completion:
         if not self.return_token_ids:
             return ""
         return ',"token_ids":' + json.dumps(token_ids(self.key, start, end - start))
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.n_prompt, "completion_tokens": self.n}
+        usage["total_tokens"] = self.n_prompt + self.n
+        if self.fault == "usage_strings":
+            return {k: str(v) for k, v in usage.items()}
+        return usage
 
     @property
     def n_reasoning(self) -> int:

@@ -137,7 +137,8 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
 
 
 def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: float, delay_s: float = 0.0) -> None:
-    """Run ``script`` (which prints START when it begins work), SIGKILL it once ``reached()`` is true.
+    """Run ``script`` (which prints START when it begins work), SIGKILL it once ``reached()`` is true, and assert
+    that the kill is what ended it (a script that should outlive its work sleeps after it).
 
     ``delay_s`` shifts the kill a little past the threshold, so kills land at varied points of the write path.
     """
@@ -158,6 +159,11 @@ def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: f
         time.sleep(delay_s)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
+        # A child that ended before the kill (finished, crashed) tests no kill point at all.
+        output = child.stdout.read()[-2000:]
+        assert child.returncode == -signal.SIGKILL, (
+            f"{script.name} exited with {child.returncode}, not by SIGKILL: {output}"
+        )
     finally:
         if child.poll() is None:
             child.kill()
@@ -184,5 +190,29 @@ def block_before_rename(argv_index: int) -> str:
                 return real_replace(src, dst, *args, **kwargs)
 
             os.replace = replace
+        """
+    )
+
+
+def block_inside_parquet_write(argv_index: int) -> str:
+    """Child-script prologue: when ``sys.argv[argv_index]`` is ``--block-parquet``, the child stops for good in the
+    middle of writing a Parquet temporary file (half of its bytes on disk) and touches the marker path
+    ``sys.argv[argv_index + 1]``, so the parent can SIGKILL it inside the write."""
+    return textwrap.dedent(
+        f"""
+        import os, sys, time
+        if len(sys.argv) > {argv_index + 1} and sys.argv[{argv_index}] == "--block-parquet":
+            import polars as _pl
+            _marker = sys.argv[{argv_index + 1}]
+            _real_write_parquet = _pl.DataFrame.write_parquet
+
+            def _write_parquet(self, file, *args, **kwargs):
+                _real_write_parquet(self, file, *args, **kwargs)
+                if ".parquet.tmp-" in os.path.basename(str(file)):
+                    os.truncate(file, os.path.getsize(file) // 2)
+                    open(_marker, "w").close()
+                    time.sleep(3600)
+
+            _pl.DataFrame.write_parquet = _write_parquet
         """
     )

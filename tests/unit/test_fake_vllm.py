@@ -225,6 +225,36 @@ def test_each_fault_kind(make_server, stream: bool) -> None:
                 assert response.json()["choices"] == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_lying_faults_give_one_field_the_wrong_type(make_server, stream: bool) -> None:
+    body = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    for kind, check in (
+        ("content_list", lambda m, u: isinstance(m.get("content"), list)),
+        ("reasoning_object", lambda m, u: isinstance(m.get("reasoning"), dict)),
+        ("usage_strings", lambda m, u: u["prompt_tokens"] == str(int(u["prompt_tokens"]))),
+    ):
+        client = make_server(token_rate=5000, median_tokens=40, stream_interval_s=0.005, faults={kind: 1.0})
+        response = chat(client, **body)
+        assert response.status_code == 200
+        if stream:
+            events = [e for e in sse_events(response.text) if isinstance(e, dict)]
+            deltas = [c["delta"] for e in events for c in e["choices"]]
+            usage = next(e["usage"] for e in events if e.get("usage"))
+            assert any(check(d, usage) for d in deltas) if kind != "usage_strings" else check({}, usage), kind
+        else:
+            data = response.json()
+            assert check(data["choices"][0]["message"], data["usage"]), kind
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_revoked_key_is_refused_after_the_first_requests(make_server, status: int) -> None:
+    client = make_server(token_rate=5000, median_tokens=10, revoke_after=3, revoke_status=status)
+    codes = [chat(client, [{"role": "user", "content": f"q{i}"}]).status_code for i in range(5)]
+    assert codes == [200, 200, 200, status, status]
+    assert client.get("/v1/models").status_code == 200  # only chat requests count and are refused
+    assert client.get("/stats").json()["outcomes"]["revoked"] == 2
+
+
 def test_faults_are_deterministic_and_follow_their_rates() -> None:
     config = FakeConfig(faults={"error_500": 0.05, "hang": 0.01, "reset": 0.02})
     draws = Counter(draw_fault(f"k{i}", 0, config) for i in range(20000))
@@ -241,7 +271,9 @@ def test_command_line_round_trip() -> None:
         reasoning_field="none",
         api_key="x",
         seed=3,
-        faults={"hang": 0.01, "error_429": 0.2},
+        revoke_after=7,
+        revoke_status=403,
+        faults={"hang": 0.01, "error_429": 0.2, "usage_strings": 0.1},
     )
     parsed, host, port = parse_args(["--port", "0", *config_to_args(config)])
     assert parsed == config and port == 0 and host == "127.0.0.1"

@@ -1,126 +1,136 @@
-"""The request path of the default "openai" transport (EngineAsyncOpenAI over AiohttpBodyTransport) against the
-SDK's own path and the "aiohttp" transport: the same requests on the wire, the same Completion objects, the same
-failure classification (issue 3, acceptance 4 made the openai path leaner; these pin that it still means the same).
+"""The two transports (``EAGLE3_TRANSPORT``): the default "aiohttp" (the project's own aiohttp client) and "openai"
+(stock ``openai.AsyncOpenAI`` over the SDK's aiohttp client). They must send the same request, return the same
+Completion objects and classify every failure the same way: switching transports changes CPU, never results.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-import httpx2
 import openai
 import pytest
-from openai._models import FinalRequestOptions
 
-from eagle3_assets.generation.client import (
-    CHAT_PATH,
-    AiohttpBodyTransport,
-    Completion,
-    EngineAsyncOpenAI,
-    RequestFailed,
-    _StreamState,
-    build_body,
-    make_client,
-    parse_sse,
-    read_sse,
-    request_completion,
-)
 from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.generation.transport import make_transports
+from eagle3_assets.generation.errors import RequestFailed
+from eagle3_assets.generation.replies import Completion, StreamState, build_body, parse_sse, read_sse
+from eagle3_assets.generation.transport import (
+    AiohttpTransport,
+    OpenAITransport,
+    Transport,
+    aiohttp_session,
+    make_transports,
+)
 from support.fake_vllm import FakeConfig, prompt_key, prompt_token_ids, prompt_tokens, serve_in_thread, token_ids
 
-URL = "http://127.0.0.1:9/v1"
 MESSAGES = [{"role": "system", "content": "Think, then answer."}]
+KINDS = ("aiohttp", "openai")
 
 
-def _sdk_client(base_url: str, api_key: str, *, read_s: float = 30.0) -> openai.AsyncOpenAI:
-    """The SDK's own path, as the engine used it before: stock AsyncOpenAI over the SDK's aiohttp client."""
-    timeout = httpx2.Timeout(connect=5.0, read=read_s, write=60.0, pool=None)
-    return openai.AsyncOpenAI(
-        base_url=base_url,
+def _transport(kind: str, url: str, *, stream: bool, api_key: str | None = None, read_s: float = 30.0) -> Transport:
+    config = GenerationConfig(
+        base_urls=[url],
+        model="fake-model",
+        transport=kind,
+        stream=stream,
         api_key=api_key,
-        max_retries=0,
-        timeout=timeout,
-        http_client=openai.DefaultAioHttpClient(timeout=timeout),
+        idle_timeout_s=read_s,
+        request_timeout_s=read_s,
     )
-
-
-def _lean_client(base_url: str, api_key: str, *, read_s: float = 30.0) -> openai.AsyncOpenAI:
-    return make_client(base_url, api_key, connect_s=5.0, read_s=read_s, max_connections=8)
-
-
-def _wire(request: httpx2.Request) -> tuple[Any, ...]:
-    return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+    return make_transports(config)[config.base_urls[0]]
 
 
 # ------------------------------------------------------------------------------- the request itself
 
 
-def test_lean_chat_request_is_the_request_the_sdk_builds() -> None:
-    timeout = httpx2.Timeout(connect=3.0, read=40.0, write=60.0, pool=None)
-    kwargs: dict[str, Any] = dict(base_url=URL, api_key="sk-secret", max_retries=0, timeout=timeout)
-    lean, stock = EngineAsyncOpenAI(**kwargs), openai.AsyncOpenAI(**kwargs)
-    for body in (b'{"model":"m"}', b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', b"{}"):
-        options = FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=body)
-        assert _wire(lean._build_request(options)) == _wire(stock._build_request(options))
-    # the options post_chat sends (a fixed idempotency key: this client sends no idempotency header)
-    asyncio.run(_capture_post_chat_options(lean))
-    options = lean._chat_options.model_copy(update={"content": b"{}"})  # type: ignore[union-attr]
-    assert stock._idempotency_header is None
-    assert _wire(lean._build_request(options)) == _wire(stock._build_request(options))
-    assert lean._chat_template is not None
-    template = lean._chat_template
-    lean._build_request(FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=b"{}"))
-    assert lean._chat_template is template  # reused, not rebuilt
-
-    # a new API key, base URL or timeout rebuilds the template; the request stays the SDK's
-    for attribute, value in (
-        ("api_key", "sk-other"),
-        ("base_url", "http://127.0.0.1:10/v1"),
-        ("timeout", httpx2.Timeout(7.0)),
-    ):
-        setattr(lean, attribute, value)
-        setattr(stock, attribute, value)
-        options = FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=b"{}")
-        assert _wire(lean._build_request(options)) == _wire(stock._build_request(options)), attribute
-    assert b"Bearer sk-other" in dict(lean._build_request(options).headers.raw)[b"authorization"]
-
-    # anything but the plain chat POST takes the SDK's own path, unchanged
-    for options in (
-        FinalRequestOptions.construct(method="get", url="/models"),
-        FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=b"{}", headers={"X-Trace": "1"}),
-        FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=b"{}", timeout=3.0),
-        FinalRequestOptions.construct(method="post", url=CHAT_PATH, json_data={"model": "m"}),
-        FinalRequestOptions.construct(method="post", url="/completions", content=b"{}"),
-    ):
-        assert _wire(lean._build_request(options)) == _wire(stock._build_request(options))
-    retry = FinalRequestOptions.construct(method="post", url=CHAT_PATH, content=b"{}")
-    assert _wire(lean._build_request(retry, retries_taken=1)) == _wire(stock._build_request(retry, retries_taken=1))
+def test_default_transport_is_aiohttp_and_openai_is_the_stock_sdk() -> None:
+    assert GenerationConfig(base_urls=["http://127.0.0.1:9/v1"]).transport == "aiohttp"
+    assert isinstance(_transport("aiohttp", "http://127.0.0.1:9/v1", stream=False), AiohttpTransport)
+    sdk = _transport("openai", "http://127.0.0.1:9/v1", stream=False)
+    assert isinstance(sdk, OpenAITransport)
+    assert type(sdk.client) is openai.AsyncOpenAI and sdk.client.max_retries == 0
+    assert isinstance(sdk.client._client, openai.DefaultAioHttpClient)  # type: ignore[attr-defined]
 
 
-async def _capture_post_chat_options(client: EngineAsyncOpenAI) -> None:
-    with contextlib.suppress(openai.APIConnectionError, openai.APITimeoutError):  # nothing listens at URL
-        await client.post_chat(b"{}", stream=False)
+def test_aiohttp_session_reads_proxies_only_when_some_are_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def trust_env() -> bool:
+        session = aiohttp_session(limit=4, connect_s=1.0, read_s=1.0)
+        try:
+            return session.trust_env
+        finally:
+            await session.close()
 
-
-def test_make_client_uses_the_lean_transport_unless_proxies_are_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
-    client = _lean_client(URL, "k")
-    assert isinstance(client, EngineAsyncOpenAI)
-    assert isinstance(client._client._transport, AiohttpBodyTransport)
-    assert client.max_retries == 0
-    # proxies from the environment: the SDK's own aiohttp client, which applies them (and NO_PROXY) per URL
+    assert asyncio.run(trust_env()) is False
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
-    client = _lean_client(URL, "k")
-    assert isinstance(client, EngineAsyncOpenAI)
-    assert not isinstance(client._client._transport, AiohttpBodyTransport)
+    assert asyncio.run(trust_env()) is True  # then aiohttp applies them, and NO_PROXY, per URL
+
+
+_CANNED = json.dumps(
+    {"model": "m", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {}}
+).encode()
+
+
+def _capture_one_request() -> tuple[str, threading.Thread, dict[str, Any]]:
+    """A one-shot HTTP server on loopback: records the request line, headers and body, answers a completion."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        with connection, listener:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            lines = head.decode().split("\r\n")
+            headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+            while len(body) < int(headers.get("content-length", 0)):
+                body += connection.recv(65536)
+            seen.update(line=lines[0], headers=headers, body=body)
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                + b"content-length: %d\r\n\r\n" % len(_CANNED)
+                + _CANNED
+            )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/v1", thread, seen
+
+
+def test_both_transports_send_the_same_request() -> None:
+    body = build_body("m", [{"role": "user", "content": "hi"}], {"max_tokens": 5}, False)
+    requests = {}
+    for kind in KINDS:
+        url, thread, seen = _capture_one_request()
+
+        async def one(url: str = url, kind: str = kind) -> Completion:
+            transport = _transport(kind, url, stream=False, api_key="sk-secret")
+            try:
+                return await transport.complete(body, stream=False, deadline_s=10)
+            finally:
+                await transport.close()
+
+        assert asyncio.run(one()) == Completion(None, "hi", "stop", None, None, "m")
+        thread.join(10)
+        requests[kind] = (
+            seen["line"],
+            seen["body"],
+            seen["headers"]["authorization"],
+            seen["headers"]["content-type"],
+            seen["headers"]["accept"],
+        )
+    assert requests["aiohttp"] == requests["openai"]
+    assert requests["aiohttp"][:3] == ("POST /v1/chat/completions HTTP/1.1", body, "Bearer sk-secret")
 
 
 # ----------------------------------------------------------------------- same completions, every path
@@ -137,31 +147,11 @@ def _prompts() -> list[list[dict[str, str]]]:
 async def _complete_all(
     kind: str, url: str, stream: bool, api_key: str | None = None, read_s: float = 30.0
 ) -> list[Completion | RequestFailed]:
-    """Every prompt through one path: "openai" / "aiohttp" (the engine's transports) or "sdk" (stock client)."""
+    """Every prompt through one transport, in order: a Completion or the RequestFailed it raised."""
     fields = {"max_tokens": 300, "return_token_ids": True}
     bodies = [build_body("fake-model", messages, fields, stream) for messages in _prompts()]
     results: list[Completion | RequestFailed] = []
-    if kind == "sdk":
-        client = _sdk_client(url, api_key or "EMPTY", read_s=read_s)
-        try:
-            for body in bodies:
-                try:
-                    results.append(await request_completion(client, body, stream=stream, deadline_s=30))
-                except RequestFailed as failure:
-                    results.append(failure)
-        finally:
-            await client.close()
-        return results
-    config = GenerationConfig(
-        base_urls=[url],
-        model="fake-model",
-        transport=kind,
-        stream=stream,
-        api_key=api_key,
-        idle_timeout_s=read_s,
-        request_timeout_s=read_s,
-    )
-    transport = make_transports(config)[config.base_urls[0]]
+    transport = _transport(kind, url, stream=stream, api_key=api_key, read_s=read_s)
     try:
         for body in bodies:
             try:
@@ -181,11 +171,11 @@ def shape_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_every_path_returns_the_same_completions(shape_url: tuple[str, str], stream: bool) -> None:
+def test_every_transport_returns_the_same_completions(shape_url: tuple[str, str], stream: bool) -> None:
     field, url = shape_url
-    by_path = {kind: asyncio.run(_complete_all(kind, url, stream)) for kind in ("openai", "aiohttp", "sdk")}
-    assert by_path["openai"] == by_path["aiohttp"] == by_path["sdk"]
-    for messages, completion in zip(_prompts(), by_path["openai"], strict=True):
+    by_kind = {kind: asyncio.run(_complete_all(kind, url, stream)) for kind in KINDS}
+    assert by_kind["aiohttp"] == by_kind["openai"]
+    for messages, completion in zip(_prompts(), by_kind["aiohttp"], strict=True):
         assert isinstance(completion, Completion)
         key = prompt_key(messages)
         n = min(int(messages[-1]["content"].split("=")[1].rstrip("]")), 300)
@@ -196,7 +186,7 @@ def test_every_path_returns_the_same_completions(shape_url: tuple[str, str], str
         assert completion.content and completion.model == "fake-model"
 
 
-# ----------------------------------------------------------------------- same failures, every path
+# ----------------------------------------------------------------------- same failures, every transport
 
 
 def _outcome(result: Completion | RequestFailed) -> tuple[Any, ...]:
@@ -205,36 +195,53 @@ def _outcome(result: Completion | RequestFailed) -> tuple[Any, ...]:
     return result.retryable, result.status, result.kind, result.retry_after_s, result.message
 
 
-FAULTS = ["error_500", "error_429", "reset", "hang", "truncate", "invalid_json", "non_completion", "empty_choices"]
+FAULTS = [
+    "error_500",
+    "error_429",
+    "reset",
+    "hang",
+    "truncate",
+    "invalid_json",
+    "non_completion",
+    "empty_choices",
+    "content_list",
+    "reasoning_object",
+    "usage_strings",
+]
+# the field each lying fault gets wrong, as the failure names it
+LIE_FIELDS = {
+    "content_list": "content",
+    "reasoning_object": "reasoning",
+    "usage_strings": "usage.prompt_tokens",
+}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_faults_are_classified_as_the_sdk_classifies_them(fault: str, stream: bool) -> None:
+def test_faults_are_classified_the_same_by_every_transport(fault: str, stream: bool) -> None:
     fake = FakeConfig(token_rate=50000, stream_interval_s=0.001, hang_s=5, faults={fault: 1.0})
     with serve_in_thread(fake) as url:
-        lean = asyncio.run(_complete_all("openai", url, stream, read_s=0.5))
-        sdk = asyncio.run(_complete_all("sdk", url, stream, read_s=0.5))
-        plain = asyncio.run(_complete_all("aiohttp", url, stream, read_s=0.5))
-    assert [_outcome(r) for r in lean] == [_outcome(r) for r in sdk]
-    assert all(isinstance(r, RequestFailed) and r.retryable for r in lean + plain), (lean, plain)
-    assert [r.status for r in lean] == [r.status for r in plain]  # type: ignore[union-attr]
+        by_kind = {kind: asyncio.run(_complete_all(kind, url, stream, read_s=0.5)) for kind in KINDS}
+    assert [_outcome(r) for r in by_kind["aiohttp"]] == [_outcome(r) for r in by_kind["openai"]]
+    failures = by_kind["aiohttp"]
+    assert all(isinstance(r, RequestFailed) and r.retryable for r in failures), failures
+    if fault in LIE_FIELDS:  # a wrong type names its field
+        name = LIE_FIELDS[fault]
+        if "." not in name:
+            name = f"choices[0].{'delta' if stream else 'message'}.{name}"
+        assert all(str(r).startswith(f"reply field {name} is a") for r in failures), failures
 
 
-def test_status_errors_are_classified_as_the_sdk_classifies_them() -> None:
+def test_status_errors_are_classified_the_same_by_every_transport() -> None:
     # 401 (wrong key) and 400 (prompt over the context): not retryable, with the server's message
     with serve_in_thread(FakeConfig(token_rate=50000, api_key="right-key", max_model_len=12)) as url:
         for key in ("wrong-key", "right-key"):
-            lean = asyncio.run(_complete_all("openai", url, False, api_key=key))
-            sdk = asyncio.run(_complete_all("sdk", url, False, api_key=key))
-            assert [_outcome(r) for r in lean] == [_outcome(r) for r in sdk]
-            assert {r.status for r in lean if isinstance(r, RequestFailed)} == ({401} if key == "wrong-key" else {400})
-            assert not any(r.retryable for r in lean if isinstance(r, RequestFailed))
-            assert all(
-                "right-key" not in r.message and "wrong-key" not in r.message
-                for r in lean
-                if isinstance(r, RequestFailed)
-            )
+            by_kind = {kind: asyncio.run(_complete_all(kind, url, False, api_key=key)) for kind in KINDS}
+            assert [_outcome(r) for r in by_kind["aiohttp"]] == [_outcome(r) for r in by_kind["openai"]]
+            failures = [r for r in by_kind["aiohttp"] if isinstance(r, RequestFailed)]
+            assert {r.status for r in failures} == ({401} if key == "wrong-key" else {400})
+            assert not any(r.retryable for r in failures)
+            assert all("right-key" not in r.message and "wrong-key" not in r.message for r in failures)
 
 
 def test_refused_connection_is_a_connection_failure() -> None:
@@ -243,10 +250,9 @@ def test_refused_connection_is_a_connection_failure() -> None:
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"  # nothing listens there any more
     for stream in (False, True):
-        lean = asyncio.run(_complete_all("openai", url, stream))
-        sdk = asyncio.run(_complete_all("sdk", url, stream))
-        assert [_outcome(r) for r in lean] == [_outcome(r) for r in sdk]
-        assert all(isinstance(r, RequestFailed) and r.retryable and r.kind == "connection" for r in lean)
+        by_kind = {kind: asyncio.run(_complete_all(kind, url, stream)) for kind in KINDS}
+        assert [_outcome(r) for r in by_kind["aiohttp"]] == [_outcome(r) for r in by_kind["openai"]]
+        assert all(isinstance(r, RequestFailed) and r.retryable and r.kind == "connection" for r in by_kind["openai"])
 
 
 # ------------------------------------------------------------------------------- SSE assembly
@@ -297,7 +303,7 @@ def test_sse_assembly_is_the_same_for_any_chunking() -> None:
     ],
 )
 def test_bad_stream_token_ids_are_retryable_failures(ids: object, fragment: str) -> None:
-    state = _StreamState()
+    state = StreamState()
     with pytest.raises(RequestFailed) as caught:
         for event in (
             {"choices": [{"delta": {"content": "a"}, "token_ids": [1, 2, 3]}]},

@@ -10,12 +10,14 @@ import httpx2
 import openai
 import pytest
 
-from eagle3_assets.generation.client import RequestFailed, _StreamState, classify, parse_completion
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import EndpointPool
 from eagle3_assets.generation.engine import backoff_delay
+from eagle3_assets.generation.errors import RequestFailed, classify, error_message, status_failure
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA, rows_to_frame
+from eagle3_assets.generation.replies import StreamState, parse_completion
+from eagle3_assets.generation.transport import _sdk_failure
 from eagle3_assets.settings import ConfigError
 
 URL = "http://127.0.0.1:8000/v1"
@@ -187,14 +189,85 @@ def test_bad_bodies_are_retryable(body: bytes, fragment: str) -> None:
     assert caught.value.retryable and fragment in caught.value.message
 
 
-def _sse(state: _StreamState, *events: object) -> None:
+def _body(**changes: object) -> bytes:
+    """A chat completion with some top-level, choice, message or usage fields replaced (dotted keys)."""
+    data: dict = {
+        "model": "m",
+        "choices": [{"message": {"content": "A", "reasoning": "R"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+    }
+    for key, value in changes.items():
+        target = data
+        *path, last = key.split(".")
+        for part in path:
+            target = target["choices"][0] if part == "choice" else target[part]
+        target[last] = value
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (_body(**{"choice.message.content": ["A"]}), "choices[0].message.content is an array, expected a string"),
+        (_body(**{"choice.message.content": 7}), "choices[0].message.content is a number"),
+        (_body(**{"choice.message.reasoning": {"t": "R"}}), "choices[0].message.reasoning is an object"),
+        (
+            _body(**{"choice.message.reasoning": None, "choice.message.reasoning_content": True}),
+            "choices[0].message.reasoning_content is a boolean",
+        ),
+        (_body(**{"choice.finish_reason": 1}), "choices[0].finish_reason is a number"),
+        (_body(**{"usage.prompt_tokens": "3"}), "usage.prompt_tokens is a string, expected a non-negative integer"),
+        (_body(**{"usage.completion_tokens": 5.0}), "usage.completion_tokens is a number"),
+        (_body(**{"usage.completion_tokens": -1}), "usage.completion_tokens is a negative number"),
+        (_body(**{"usage.prompt_tokens": True}), "usage.prompt_tokens is a boolean"),
+        (_body(usage=[3, 5]), "usage is an array, expected an object"),
+        (_body(model=["m"]), "model is an array"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_retryable_failure_naming_it(body: bytes, fragment: str) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        parse_completion(body)
+    assert caught.value.retryable and caught.value.message.startswith(f"reply field {fragment}"), caught.value
+
+
+@pytest.mark.parametrize(
+    ("event", "fragment"),
+    [
+        ({"choices": [{"delta": {"content": ["a"]}}]}, "choices[0].delta.content is an array"),
+        ({"choices": [{"delta": {"reasoning": {"a": 1}}}]}, "choices[0].delta.reasoning is an object"),
+        ({"choices": [{"delta": "a"}]}, "choices[0].delta is a string, expected an object"),
+        ({"choices": ["a"]}, "choices[0] is a string, expected an object"),
+        ({"choices": [{"delta": {}, "finish_reason": 3}]}, "choices[0].finish_reason is a number"),
+        ({"choices": [], "usage": "3 5"}, "usage is a string, expected an object"),
+        ({"choices": [], "model": 1}, "model is a number"),
+    ],
+)
+def test_a_stream_field_of_the_wrong_type_is_a_retryable_failure_naming_it(event: object, fragment: str) -> None:
+    with pytest.raises(RequestFailed) as caught:
+        StreamState().feed(json.dumps(event).encode())
+    assert caught.value.retryable and caught.value.message.startswith(f"reply field {fragment}")
+
+
+def test_stream_usage_strings_fail_when_the_completion_is_assembled() -> None:
+    state = StreamState()
+    _sse(
+        state,
+        {"choices": [{"delta": {"content": "a"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": "1", "completion_tokens": 1}},
+        b"[DONE]",
+    )
+    with pytest.raises(RequestFailed, match=r"^reply field usage.prompt_tokens is a string"):
+        state.result()
+
+
+def _sse(state: StreamState, *events: object) -> None:
     for event in events:
         state.feed(event if isinstance(event, bytes) else json.dumps(event).encode())
 
 
 def test_stream_state_joins_deltas_in_both_shapes() -> None:
     for name in ("reasoning", "reasoning_content"):
-        state = _StreamState()
+        state = StreamState()
         _sse(
             state,
             {"choices": [{"delta": {"role": "assistant", "content": ""}}], "model": "m"},
@@ -217,7 +290,7 @@ def test_stream_state_joins_deltas_in_both_shapes() -> None:
 
 
 def test_stream_without_finish_reason_is_a_retryable_truncation() -> None:
-    state = _StreamState()
+    state = StreamState()
     _sse(state, {"choices": [{"delta": {"content": "partial"}}]}, {"choices": [], "usage": {}}, b"[DONE]")
     with pytest.raises(RequestFailed, match="truncated stream") as caught:
         state.result()
@@ -229,7 +302,7 @@ def test_stream_without_finish_reason_is_a_retryable_truncation() -> None:
 )
 def test_bad_stream_events_are_retryable(event: bytes) -> None:
     with pytest.raises(RequestFailed) as caught:
-        _StreamState().feed(event)
+        StreamState().feed(event)
     assert caught.value.retryable
 
 
@@ -237,10 +310,10 @@ def test_bad_stream_events_are_retryable(event: bytes) -> None:
 
 
 def _status_error(status: int, body: object) -> openai.APIStatusError:
+    """The exception the stock SDK raises for an HTTP error status."""
     request = httpx2.Request("POST", URL + "/chat/completions")
     response = httpx2.Response(status, json=body, request=request)
-    client = openai.AsyncOpenAI(base_url=URL, api_key="x")
-    return client._make_status_error_from_response(response)
+    return openai.APIStatusError(f"Error code: {status}", response=response, body=body)
 
 
 @pytest.mark.parametrize(
@@ -259,14 +332,30 @@ def _status_error(status: int, body: object) -> openai.APIStatusError:
     ],
 )
 def test_status_classification(status: int, retryable: bool) -> None:
-    failure = classify(_status_error(status, {"error": {"message": f"server says {status}"}}))
-    assert failure.retryable is retryable and failure.status == status
-    assert failure.message == f"HTTP {status}: server says {status}"
+    body = {"error": {"message": f"server says {status}"}}
+    for failure in (status_failure(status, json.dumps(body).encode()), _sdk_failure(_status_error(status, body))):
+        assert failure.retryable is retryable and failure.status == status
+        assert failure.message == f"HTTP {status}: server says {status}"
 
 
-def test_vllm_legacy_error_body_message_is_kept() -> None:
-    failure = classify(_status_error(400, {"object": "error", "message": "This model's maximum context length is 1"}))
-    assert failure.message == "HTTP 400: This model's maximum context length is 1" and not failure.retryable
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"object": "error", "message": "This model\'s maximum context length is 1"}', "This model's maximum"),
+        (b'{"error": {"message": "bad key"}}', "bad key"),
+        (b'{"error": "flat"}', '{"error": "flat"}'),
+        (b"<html>502 Bad Gateway</html>", "<html>502 Bad Gateway</html>"),
+        (b"", "(empty body)"),
+    ],
+)
+def test_error_body_parser_keeps_the_servers_message(body: bytes, message: str) -> None:
+    assert error_message(body).startswith(message)
+
+
+def test_retry_after_is_read_from_the_headers() -> None:
+    failure = status_failure(429, b"{}", {"retry-after": "3"})
+    assert failure.retryable and failure.retry_after_s == 3.0
+    assert status_failure(429, b"{}", {"retry-after": "soon"}).retry_after_s is None
 
 
 def test_transport_errors_are_retryable() -> None:
@@ -279,7 +368,9 @@ def test_transport_errors_are_retryable() -> None:
         TimeoutError(),
         ConnectionResetError("reset"),
     ):
-        assert classify(error).retryable, error
+        assert classify(error).retryable and _sdk_failure(error).retryable, error
+    assert _sdk_failure(openai.APITimeoutError(request)).kind == "timeout"
+    assert classify(ConnectionRefusedError("refused")).kind == "connection"
 
 
 def test_backoff_is_exponential_jittered_capped_and_honours_retry_after() -> None:
@@ -400,7 +491,7 @@ def test_token_ids_are_parsed_and_checked_against_usage() -> None:
 
 
 def test_stream_token_ids_are_assembled_across_chunks() -> None:
-    state = _StreamState()
+    state = StreamState()
     state.feed(
         json.dumps(
             {"model": "m", "prompt_token_ids": [1, 2], "choices": [{"delta": {"reasoning": "a"}, "token_ids": [3, 4]}]}

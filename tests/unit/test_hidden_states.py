@@ -22,6 +22,7 @@ from eagle3_assets.hidden_states import (
 )
 from eagle3_assets.hidden_states.backends import plan_batches, resolve_layer_ids
 from eagle3_assets.hidden_states.extract import hs_file
+from eagle3_assets.lineage import hidden_states_staging_dir
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout, DiskSpaceError
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
@@ -252,7 +253,8 @@ def test_sigkill_during_extraction_recomputes_nothing_stored_whole(tmp_path: Pat
     )
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path)
-    hs_dir = layout.hidden_states_dir("00000") / "hidden_states"
+    # a partition is built aside (published whole when complete), so the killed run's files are in its staging dir
+    hs_dir = hidden_states_staging_dir(layout, "00000") / "hidden_states"
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -268,6 +270,7 @@ def test_sigkill_during_extraction_recomputes_nothing_stored_whole(tmp_path: Pat
     assert 60 <= len(whole) < 400
     result = extract_partition(layout, "00000", verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600))
     assert result.skipped_existing == len(whole) and result.stored == 400 - len(whole)
+    hs_dir = layout.hidden_states_dir("00000") / "hidden_states"
     assert {name: (hs_dir / name).stat().st_mtime_ns for name in whole} == whole
     assert not any(p.name.startswith(".") for p in hs_dir.iterdir())
     for check in (check_token_ids, check_one_per_ok_response):

@@ -1,0 +1,91 @@
+"""Opt-in declarative automation: partitions flow down the graph by themselves (``EAGLE3_AUTOMATION=true``).
+
+With it on, ``hidden_states`` carries an ``AutomationCondition``: a partition is materialized once its
+``synthetic_responses`` partition has landed (newly updated, nothing upstream missing or in progress) and the
+upstream's blocking checks passed. A sensor of its own evaluates the condition (the UI's Automation page
+lists it, running); it needs the daemon (``make dev`` runs one). Off by default: generation is expensive, and
+whoever operates the pipeline decides when hidden states are computed. ``vocab_mapping`` and ``draft_model``
+stay manual: they read every partition, and retraining after each new partition is rarely wanted.
+
+The setting is read when the definitions load (Dagster fixes automation conditions at load): a bad value
+leaves automation off and logs a warning naming the key; the code location still loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dagster as dg
+
+from eagle3_assets import settings
+from eagle3_assets.defs.resources import SettingsConfig
+from eagle3_assets.settings import setting
+
+logger = logging.getLogger(__name__)
+
+AUTOMATED_ASSETS = ("hidden_states",)
+SENSOR_NAME = "eagle3_automation"
+
+
+class CodeLocationSettings(SettingsConfig):
+    """Settings that shape the definitions themselves, so they are read when the code location loads."""
+
+    automation: bool = setting(
+        False,
+        env="EAGLE3_AUTOMATION",
+        description=(
+            "Declarative automation: `hidden_states` materializes a partition by itself once its "
+            "`synthetic_responses` partition lands and its blocking checks pass (the daemon of `make dev` runs it). "
+            "Read when the code location loads."
+        ),
+    )
+    automation_interval_s: int = setting(
+        30,
+        env="EAGLE3_AUTOMATION_INTERVAL_S",
+        description="Seconds between two evaluations of the automation conditions. Read when the code location loads.",
+        ge=5,
+    )
+
+
+def code_location_settings(environ: Mapping[str, str] | None = None) -> CodeLocationSettings:
+    """The environment's valid values; a bad one is logged (naming the key) and left at its default."""
+    values, errors = settings.from_environ(CodeLocationSettings, environ)
+    for error in errors:
+        logger.warning("%s; using the default", error)
+    return CodeLocationSettings(**values)
+
+
+def automation_condition() -> dg.AutomationCondition:
+    """Eager on the upstream partition, gated on the upstream's blocking checks.
+
+    Dagster 1.13 keeps one result per check, not one per partition, so the gate is the latest result of the
+    upstream's blocking checks: after a partition fails one, nothing flows until a partition passes it again.
+    """
+    return (dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()).with_label(
+        "eager once the upstream partition lands and its blocking checks pass"
+    )
+
+
+def with_automation(
+    assets: Sequence[Any], config: CodeLocationSettings
+) -> tuple[list[Any], list[dg.AutomationConditionSensorDefinition]]:
+    """The assets, with the condition on ``AUTOMATED_ASSETS`` when automation is on, and the sensor for them."""
+    if not config.automation:
+        return list(assets), []
+    condition = automation_condition()
+
+    def attach(spec: dg.AssetSpec) -> dg.AssetSpec:
+        if spec.key.to_user_string() in AUTOMATED_ASSETS:
+            return spec.replace_attributes(automation_condition=condition)
+        return spec
+
+    sensor = dg.AutomationConditionSensorDefinition(
+        SENSOR_NAME,
+        target=dg.AssetSelection.assets(*AUTOMATED_ASSETS),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=config.automation_interval_s,
+        description="Materializes hidden_states partitions once their synthetic_responses partitions land.",
+    )
+    return list(dg.map_asset_specs(attach, list(assets))), [sensor]

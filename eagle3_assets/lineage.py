@@ -1,0 +1,344 @@
+"""What each partition was built from, and whether that is still what it would be built from now (Dagster-free).
+
+Three questions the asset wrappers, ``eagle3 status``, ``eagle3 backfill --missing`` and training ask:
+
+* :func:`prompt_drift`: does a ``synthetic_responses`` file still answer its partition's prompt set (a prompt
+  appended to a half-full last partition, edited under its id, or dropped makes it stale)?
+* :func:`verifier_fingerprint`: what verifier content produced a hidden state (a revision when the folder is a
+  Hugging Face snapshot, else a content hash of its config and weight files, cached by name, size and mtime)?
+* :class:`PartitionLineage`: the data version, inputs and check outcomes recorded beside a partition, so a
+  downstream stage can tell a partition built from other inputs, or one whose checks failed, from a current one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_assets import storage
+from eagle3_assets.generation.fingerprint import digest
+from eagle3_assets.storage import DataLayout
+
+# Code versions declared on the assets: bump when a change makes earlier outputs wrong, so Dagster marks every
+# partition built by the older code as stale (its data versions are content hashes and cannot tell).
+RESPONSES_CODE_VERSION = "responses-2"  # 2: rows carry request fingerprints; resume keeps only current rows
+HIDDEN_STATES_CODE_VERSION = "hidden-states-2"  # 2: re-extracted when the verifier, layers or responses change
+
+# Files of a model folder that determine its outputs; tokenizer files change the rendered tokens.
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".model", ".txt", ".jinja", ".py")
+_HASH_CACHE = "_verifier_hashes.json"
+
+
+# ------------------------------------------------------------------------------------------- prompt drift
+
+
+@dataclass(frozen=True)
+class PromptDrift:
+    """How a responses file differs from its partition's current prompt set."""
+
+    missing: int  # prompts of the partition without a row (e.g. appended to a half-full partition)
+    unexpected: int  # rows whose prompt left the partition
+    edited: int  # rows whose stored messages differ from the prompt under the same id
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.missing or self.unexpected or self.edited)
+
+    def describe(self) -> str:
+        parts = [
+            f"{n} {what}" for n, what in ((self.missing, "new"), (self.edited, "edited"), (self.unexpected, "dropped"))
+        ]
+        return "prompts changed: " + ", ".join(p for p in parts if not p.startswith("0 "))
+
+
+def _quote(path: Path | str) -> str:
+    return str(path).replace("'", "''")
+
+
+def prompt_drift(layout: DataLayout, keys: Iterable[str] | None = None) -> dict[str, PromptDrift]:
+    """Partitions whose ``synthetic_responses`` file no longer matches ``raw_prompts`` (changed ones only).
+
+    One DuckDB pass per file over two small columns each; an unreadable file is skipped (``eagle3 status``
+    reports it as unreadable on its own).
+    """
+    import duckdb
+
+    files = layout.partition_files("synthetic_responses")
+    if keys is not None:
+        wanted = set(keys)
+        files = {k: p for k, p in files.items() if k in wanted}
+    if not files or not layout.prompts_path.exists():
+        return {}
+    drift: dict[str, PromptDrift] = {}
+    prompts = _quote(layout.prompts_path)
+    with duckdb.connect() as con:
+        for key, path in files.items():
+            # the table is sorted by position, so the partition_key filter reads only that partition's row groups
+            sql = f"""
+                WITH p AS (SELECT sample_id, messages FROM read_parquet('{prompts}') WHERE partition_key = ?),
+                     r AS (SELECT sample_id, messages FROM read_parquet('{_quote(path)}'))
+                SELECT count(*) FILTER (WHERE r.sample_id IS NULL),
+                       count(*) FILTER (WHERE p.sample_id IS NULL),
+                       count(*) FILTER (WHERE p.sample_id IS NOT NULL AND r.sample_id IS NOT NULL
+                                        AND p.messages IS DISTINCT FROM r.messages)
+                FROM p FULL OUTER JOIN r ON p.sample_id = r.sample_id
+            """
+            try:
+                missing, unexpected, edited = con.execute(sql, [key]).fetchone()  # type: ignore[misc]
+            except duckdb.Error:
+                continue
+            found = PromptDrift(int(missing), int(unexpected), int(edited))
+            if found.changed:
+                drift[key] = found
+    return drift
+
+
+# --------------------------------------------------------------------------------------- verifier content
+
+
+def _snapshot_revision(path: Path) -> str | None:
+    """The commit of a Hugging Face cache snapshot folder (``.../snapshots/<40 hex>``), else None."""
+    parent = path.parent.name
+    name = path.name
+    if parent == "snapshots" and len(name) == 40 and all(c in "0123456789abcdef" for c in name):
+        return name
+    return None
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def verifier_fingerprint(model_dir: Path, cache_dir: Path | None = None) -> str:
+    """A content fingerprint of a local model folder: its Hugging Face revision when it is a cache snapshot,
+    else a hash over the content hashes of its config, tokenizer and weight files.
+
+    File hashes are cached in ``cache_dir/_verifier_hashes.json`` keyed by path, size and mtime, so a 100 GB
+    verifier is read once, not on every partition. Editing or replacing a file changes its size or mtime.
+    """
+    model_dir = Path(model_dir).resolve()
+    revision = _snapshot_revision(model_dir)
+    if revision is not None:
+        return f"revision:{revision}"
+    cache_path = (cache_dir or model_dir) / _HASH_CACHE
+    cache: dict[str, str] = {}
+    if cache_dir is not None:
+        with contextlib.suppress(OSError, ValueError):
+            cache = json.loads(cache_path.read_text())
+    entries: list[tuple[str, str]] = []
+    dirty = False
+    for path in sorted(model_dir.rglob("*")):
+        if not path.is_file() or path.name.startswith(".") or not path.name.endswith(_MODEL_FILE_SUFFIXES):
+            continue
+        stat = path.stat()
+        cache_key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+        file_hash = cache.get(cache_key)
+        if file_hash is None:
+            file_hash = cache[cache_key] = _sha256_file(path)
+            dirty = True
+        entries.append((str(path.relative_to(model_dir)), file_hash))
+    if dirty and cache_dir is not None:
+        with contextlib.suppress(OSError):
+            storage.write_json_atomic(cache, cache_path)
+    return "content:" + digest(entries)
+
+
+# ------------------------------------------------------------------------------------- partition lineage
+
+
+@dataclass
+class PartitionLineage:
+    """What one partition of an asset was built from and what its checks said."""
+
+    asset: str
+    partition_key: str
+    data_version: str  # content hash of the partition's output
+    inputs: dict[str, Any] = field(default_factory=dict)  # upstream data versions and the settings that matter
+    checks: dict[str, bool] = field(default_factory=dict)  # check name -> passed
+
+    @property
+    def inputs_digest(self) -> str:
+        return digest(self.inputs)
+
+    @property
+    def checks_passed(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    def save(self, layout: DataLayout) -> None:
+        storage.write_json_atomic(asdict(self), layout.lineage_path(self.asset, self.partition_key))
+
+    @classmethod
+    def load(cls, layout: DataLayout, asset: str, partition_key: str) -> PartitionLineage | None:
+        """The recorded lineage, or None when there is none (or it is unreadable: then nothing is trusted)."""
+        path = layout.lineage_path(asset, partition_key)
+        try:
+            data = json.loads(path.read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def record_checks(layout: DataLayout, asset: str, partition_key: str, outcomes: Mapping[str, bool]) -> None:
+    """Store check outcomes in the partition's lineage (the checks run after the output is written)."""
+    lineage = PartitionLineage.load(layout, asset, partition_key)
+    if lineage is None:
+        lineage = PartitionLineage(asset, partition_key, data_version="")
+    lineage.checks = {**lineage.checks, **{k: bool(v) for k, v in outcomes.items()}}
+    lineage.save(layout)
+
+
+def partitions_passing_checks(layout: DataLayout, keys: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """(usable keys, excluded key -> why): a hidden_states partition is usable for training when its own checks
+    passed, the responses it was built from passed theirs, and it was built from the responses now on disk."""
+    usable: list[str] = []
+    excluded: dict[str, str] = {}
+    for key in keys:
+        hidden = PartitionLineage.load(layout, "hidden_states", key)
+        responses = PartitionLineage.load(layout, "synthetic_responses", key)
+        if hidden is None or not hidden.checks_passed:
+            failed = sorted(k for k, v in (hidden.checks if hidden else {}).items() if not v)
+            excluded[key] = f"hidden_states checks failed: {failed}" if failed else "hidden_states checks not recorded"
+        elif responses is None or not responses.checks_passed:
+            excluded[key] = "synthetic_responses checks failed or not recorded"
+        elif hidden.inputs.get("responses_data_version") != responses.data_version:
+            excluded[key] = "built from other responses than those on disk (re-materialize hidden_states)"
+        else:
+            usable.append(key)
+    return usable, excluded
+
+
+def files_digest(paths: Iterable[Path]) -> str:
+    """A content hash over several files (name and bytes), e.g. the vocabulary mapping a draft is trained with."""
+    return digest(
+        [(Path(p).name, storage.file_digest(Path(p), 64)) for p in sorted(paths, key=str) if os.path.exists(p)]
+    )
+
+
+# --------------------------------------------------------------------------- hidden states: build aside, publish
+
+
+def hidden_states_staging_dir(layout: DataLayout, partition_key: str) -> Path:
+    return layout.asset_dir("hidden_states") / "_staging" / partition_key
+
+
+_STAGING_INPUTS = "_staging_inputs.json"  # removed before the folder is published
+
+
+def hidden_states_extraction_inputs(
+    layout: DataLayout, verifier_path: Path, layer_ids: list[int], max_seq_len: int, dtype: str
+) -> dict[str, Any]:
+    """What a stored hidden state depends on besides its tokens (each sample file is checked against those)."""
+    return {
+        "verifier": verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states")),
+        "layer_ids": list(layer_ids),
+        "max_seq_len": int(max_seq_len),
+        "dtype": dtype,
+    }
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """Hard-link every file of ``source`` into ``target`` where ``target`` has none (copy across filesystems).
+
+    Every writer replaces files by rename, never in place, so a link shared with the published folder is safe.
+    """
+    import shutil
+
+    for path in source.rglob("*"):
+        if not path.is_file():
+            continue
+        dest = target / path.relative_to(source)
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+
+
+def begin_hidden_states(layout: DataLayout, partition_key: str, extraction: Mapping[str, Any]) -> Path:
+    """The folder to (re)build a hidden_states partition in, while the published one stays untouched.
+
+    Kept across a killed run for the same extraction inputs (its finished samples resume); otherwise emptied.
+    Seeded with hard links to the published partition's files when that was built with the same verifier
+    content, layer ids, max_seq_len and dtype (the per-sample check then keeps only files whose tokens still
+    match); a partition built from anything else, or of unknown provenance, is recomputed from scratch.
+    """
+    import shutil
+
+    staging = hidden_states_staging_dir(layout, partition_key)
+    marker = staging / _STAGING_INPUTS
+    try:
+        same = json.loads(marker.read_text()) == dict(extraction)
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    storage.write_json_atomic(dict(extraction), marker)
+    published = PartitionLineage.load(layout, "hidden_states", partition_key)
+    live = layout.hidden_states_dir(partition_key)
+    if published is not None and published.inputs.get("extraction") == dict(extraction) and live.is_dir():
+        _link_tree(live, staging)
+    return staging
+
+
+def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path) -> Path:
+    """Put a completely built partition folder in place of the published one (atomic folder swap); the caller
+    writes the index after this, then :func:`record_hidden_states`. Returns the published folder."""
+    (staging / _STAGING_INPUTS).unlink(missing_ok=True)
+    target = layout.hidden_states_dir(partition_key)
+    storage.replace_dir_atomic(staging, target)
+    return target
+
+
+def record_hidden_states(layout: DataLayout, partition_key: str, extraction: Mapping[str, Any]) -> PartitionLineage:
+    """Record what the just-published partition was built from; its data version hashes those inputs and the
+    index content, so Dagster marks it (and the draft) stale when either changes."""
+    responses = layout.responses_path(partition_key)
+    inputs = {
+        "responses_data_version": storage.file_digest(responses) if responses.exists() else None,
+        "extraction": dict(extraction),
+    }
+    index = layout.hidden_states_index_path(partition_key)
+    index_digest = storage.file_digest(index)
+    lineage = PartitionLineage(
+        "hidden_states",
+        partition_key,
+        data_version=digest([inputs, index_digest]),
+        inputs={**inputs, "index": index_digest},
+    )
+    lineage.save(layout)
+    return lineage
+
+
+def training_inputs_digest(layout: DataLayout, keys: Iterable[str], verifier_path: Path) -> str:
+    """A content hash of what a draft trains on: each partition's recorded hidden-states data version and
+    index content, the vocabulary mapping files and the verifier content (not paths and counts)."""
+    parts: list[Any] = []
+    for key in sorted(keys):
+        lineage = PartitionLineage.load(layout, "hidden_states", key)
+        index = layout.hidden_states_index_path(key)
+        parts.append(
+            [key, lineage.data_version if lineage else None, storage.file_digest(index) if index.exists() else None]
+        )
+    vocab_dir = layout.vocab_mapping_dir
+    vocab = files_digest(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None
+    verifier = verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states"))
+    return digest([parts, vocab, verifier])
+
+
+def training_fingerprint(base: str, layout: DataLayout, keys: Iterable[str], verifier_path: Path) -> str:
+    """A training run's checkpoint fingerprint: ``base`` (the config and the partition keys) plus the content
+    hash of its inputs, so a checkpoint trained on other data or another verifier is never resumed."""
+    return digest([base, training_inputs_digest(layout, keys, verifier_path)], 16)
