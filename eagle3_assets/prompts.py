@@ -295,58 +295,15 @@ def build_prompt_table(
     """
     import collections
 
-    import polars as pl
-
     from eagle3_assets import storage
-    from eagle3_assets.partitions import assign_positions, partition_of
-    from eagle3_assets.settings import ConfigError
+    from eagle3_assets.partitions import assign_positions
 
     loaded = load_prompts(dataset_path, max_prompt_chars)
-    if loaded.rows_read == 0:
-        raise ValueError(f"prompt dataset {dataset_path} has no rows")
-    if loaded.reject_share > max_reject_share:
-        first = "; ".join(f"line {r.line}: {r.reason}" for r in loaded.rejects[:5])
-        raise TooManyRejectsError(
-            f"{len(loaded.rejects)} of {loaded.rows_read} rows of {dataset_path} rejected "
-            f"({loaded.reject_share:.1%} > EAGLE3_MAX_REJECT_SHARE={max_reject_share}); first: {first}"
-        )
-
-    previous: dict[str, int] = {}
-    if layout.prompts_path.exists():
-        manifest = storage.read_json(layout.prompts_manifest_path) if layout.prompts_manifest_path.exists() else {}
-        old_size = manifest.get("partition_size", partition_size)
-        generated = layout.generated_partitions()  # finished files and half-generated journals alike
-        if old_size != partition_size and generated:
-            raise ConfigError(
-                f"EAGLE3_PARTITION_SIZE={partition_size!r}: the data in {layout.root} was partitioned with "
-                f"{old_size} and partition(s) {', '.join(generated[:5])} hold generated work (finished or "
-                f"in progress); changing it would move generated samples between partitions. Use a new "
-                f"EAGLE3_DATA_DIR or set EAGLE3_PARTITION_SIZE={old_size}."
-            )
-        old = pl.read_parquet(layout.prompts_path, columns=["sample_id", "position"])
-        previous = dict(zip(old["sample_id"].to_list(), old["position"].to_list(), strict=True))
-
+    _refuse_bad_dataset(loaded, dataset_path, max_reject_share)
+    previous = _previous_positions(layout, partition_size)
     ids = [p.sample_id for p in loaded.prompts]
     positions, kept, new = assign_positions(ids, previous)
-    table = pl.DataFrame(
-        {
-            "sample_id": ids,
-            "position": positions,
-            "partition_key": [partition_of(pos, partition_size) for pos in positions],
-            "messages": [p.messages_as_dicts() for p in loaded.prompts],
-            "source_line": [p.source_line for p in loaded.prompts],
-            "source_format": [p.source_format for p in loaded.prompts],
-            "num_turns": [len(p.messages) for p in loaded.prompts],
-            "prompt_chars": [p.prompt_chars for p in loaded.prompts],
-        },
-        schema_overrides={
-            "position": pl.Int64,
-            "source_line": pl.Int64,
-            "num_turns": pl.Int32,
-            "prompt_chars": pl.Int64,
-            "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
-        },
-    ).sort("position")
+    table = _prompt_frame(loaded.prompts, positions, partition_size)
 
     rejects_jsonl = "".join(
         json.dumps({"line": r.line, "reason": r.reason, "snippet": r.snippet}, ensure_ascii=False) + "\n"
@@ -379,3 +336,63 @@ def build_prompt_table(
         table_path=layout.prompts_path,
         rejects_path=layout.rejects_path,
     )
+
+
+def _refuse_bad_dataset(loaded: LoadedPrompts, dataset_path: str | Path, max_reject_share: float) -> None:
+    if loaded.rows_read == 0:
+        raise ValueError(f"prompt dataset {dataset_path} has no rows")
+    if loaded.reject_share > max_reject_share:
+        first = "; ".join(f"line {r.line}: {r.reason}" for r in loaded.rejects[:5])
+        raise TooManyRejectsError(
+            f"{len(loaded.rejects)} of {loaded.rows_read} rows of {dataset_path} rejected "
+            f"({loaded.reject_share:.1%} > EAGLE3_MAX_REJECT_SHARE={max_reject_share}); first: {first}"
+        )
+
+
+def _previous_positions(layout: Any, partition_size: int) -> dict[str, int]:
+    """sample_id -> position of the table already written (empty on the first run); refuses a re-keying size."""
+    import polars as pl
+
+    from eagle3_assets import storage
+    from eagle3_assets.settings import ConfigError
+
+    if not layout.prompts_path.exists():
+        return {}
+    manifest = storage.read_json(layout.prompts_manifest_path) if layout.prompts_manifest_path.exists() else {}
+    old_size = manifest.get("partition_size", partition_size)
+    generated = layout.generated_partitions()  # finished files and half-generated journals alike
+    if old_size != partition_size and generated:
+        raise ConfigError(
+            f"EAGLE3_PARTITION_SIZE={partition_size!r}: the data in {layout.root} was partitioned with "
+            f"{old_size} and partition(s) {', '.join(generated[:5])} hold generated work (finished or "
+            f"in progress); changing it would move generated samples between partitions. Use a new "
+            f"EAGLE3_DATA_DIR or set EAGLE3_PARTITION_SIZE={old_size}."
+        )
+    old = pl.read_parquet(layout.prompts_path, columns=["sample_id", "position"])
+    return dict(zip(old["sample_id"].to_list(), old["position"].to_list(), strict=True))
+
+
+def _prompt_frame(prompts: list[Any], positions: list[int], partition_size: int) -> Any:
+    import polars as pl
+
+    from eagle3_assets.partitions import partition_of
+
+    return pl.DataFrame(
+        {
+            "sample_id": [p.sample_id for p in prompts],
+            "position": positions,
+            "partition_key": [partition_of(pos, partition_size) for pos in positions],
+            "messages": [p.messages_as_dicts() for p in prompts],
+            "source_line": [p.source_line for p in prompts],
+            "source_format": [p.source_format for p in prompts],
+            "num_turns": [len(p.messages) for p in prompts],
+            "prompt_chars": [p.prompt_chars for p in prompts],
+        },
+        schema_overrides={
+            "position": pl.Int64,
+            "source_line": pl.Int64,
+            "num_turns": pl.Int32,
+            "prompt_chars": pl.Int64,
+            "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+        },
+    ).sort("position")
