@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--median-tokens", type=float, default=800.0)
     parser.add_argument("--sigma", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=8000)
-    parser.add_argument("--transport", default="openai")
+    parser.add_argument("--transport", default="", help="EAGLE3_TRANSPORT for the runs (default: the project's)")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--vllm", action="store_true", help="the real CPU vLLM on the tiny model instead")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, data)")
@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             "EAGLE3_MODEL": model,
             "EAGLE3_CONCURRENCY": str(args.capacity),
             "EAGLE3_MAX_TOKENS": str(args.max_tokens),
-            "EAGLE3_TRANSPORT": args.transport,
         }
+        if args.transport:
+            env["EAGLE3_TRANSPORT"] = args.transport
         with LoadSampler(base_url) as sampler:
             outcome = run_backfill(paths, env, args.partitions, args.timeout_s)
         stats = fake_process.stats() if fake_process is not None else None
