@@ -44,9 +44,12 @@ def test_partition_of_50_against_real_vllm(
         partition_key="00000",
         instance=instance,
         resources=resources,
+        raise_on_error=False,
     )
 
-    assert result.success
+    # 1 of 50 failed is above the 1% default: the blocking error-rate check fails the run (nothing downstream
+    # starts from it), after the partition's file and materialization were written
+    assert not result.success
     frame = pl.read_parquet(layout.responses_path("00000"))
     assert frame.height == 50 and frame["sample_id"].n_unique() == 50
     ok = frame.filter(pl.col("status") == "ok")
