@@ -1,0 +1,48 @@
+"""The package stays readable: no module over 500 lines, no function over 80 lines, unless a comment says why.
+
+A function is allowed to be longer when the line above its ``def`` (or its decorators) is a comment starting with
+``# long:`` that says why; a module when one of its first lines is such a comment.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "eagle3_assets"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _excused(lines: list[str], lineno: int) -> bool:
+    above = lines[lineno - 2].strip() if lineno >= 2 else ""
+    return above.startswith("# long:")
+
+
+def _offenders() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        name = path.relative_to(PACKAGE.parent)
+        if len(lines) > MAX_MODULE_LINES and not any(line.startswith("# long:") for line in lines[:10]):
+            found.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and not _excused(lines, first):
+                    found.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
+    return found
+
+
+def test_no_module_or_function_is_too_long_without_a_reason() -> None:
+    assert _offenders() == []
+
+
+def test_the_shape_check_sees_a_long_function(tmp_path: Path, monkeypatch) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    (tmp_path / "eagle3_assets").mkdir()
+    (tmp_path / "eagle3_assets" / "m.py").write_text(f"def f():\n{body}\n\n\n# long: a table\ndef g():\n{body}\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "eagle3_assets")
+    assert [o.split(" ")[1] for o in _offenders()] == ["f():"]
