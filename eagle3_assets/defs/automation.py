@@ -62,8 +62,24 @@ def automation_condition() -> dg.AutomationCondition:
 
     Dagster 1.13 keeps one result per check, not one per partition, so the gate is the latest result of the
     upstream's blocking checks: after a partition fails one, nothing flows until a partition passes it again.
+
+    ``eager()`` alone only reacts to changes *between* two evaluations: on the sensor's first evaluation (a fresh
+    DAGSTER_HOME, automation just turned on, or this condition changed, which resets its cursor) its
+    ``newly_missing``/``any_deps_updated`` triggers are empty by design, so an upstream partition that landed
+    before that first tick would never be picked up (the daemon needs seconds to load the code location, so
+    this is the common case, not a corner one). The ``initial_evaluation`` branch catches those: on that first
+    tick, every missing partition whose upstream is present (and not in progress) is requested once; after it,
+    ``newly_requested`` marks them handled for ``eager``.
     """
-    return (dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()).with_label(
+    condition = dg.AutomationCondition
+    landed_before_first_tick = (
+        condition.initial_evaluation()
+        & condition.missing()
+        & ~condition.any_deps_missing()
+        & ~condition.any_deps_in_progress()
+        & ~condition.in_progress()
+    ).with_label("missing on the first evaluation, upstream present")
+    return ((condition.eager() | landed_before_first_tick) & condition.all_deps_blocking_checks_passed()).with_label(
         "eager once the upstream partition lands and its blocking checks pass"
     )
 

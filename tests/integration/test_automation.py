@@ -71,7 +71,7 @@ def test_the_condition_waits_for_the_upstream_partition_and_its_blocking_checks(
         keys, cursor = requested(instance, None)
         assert keys == []  # nothing upstream yet
 
-        def land(key: str, good: bool) -> None:
+        def land(instance: dg.DagsterInstance, key: str, good: bool) -> None:
             dg.materialize(
                 [up],
                 partition_key=key,
@@ -80,12 +80,19 @@ def test_the_condition_waits_for_the_upstream_partition_and_its_blocking_checks(
                 run_config={"ops": {"up": {"config": {"good": good}}}},
             )
 
-        land("a", good=False)
+        land(instance, "a", good=False)
         keys, cursor = requested(instance, cursor)
         assert keys == []  # "a" landed, but its blocking check failed
-        land("a", good=True)
+        land(instance, "a", good=True)
         keys, cursor = requested(instance, cursor)
         assert keys == ["a"]  # landed again and passed; "b" and "c" never landed
+        keys, cursor = requested(instance, cursor)
+        assert keys == []  # handled: not requested twice
+
+    with dg.instance_for_test() as instance:  # "b" lands before the very first evaluation (daemon starting up)
+        land(instance, "b", good=True)
+        keys, cursor = requested(instance, None)
+        assert keys == ["b"]
         keys, cursor = requested(instance, cursor)
         assert keys == []  # handled: not requested twice
 
