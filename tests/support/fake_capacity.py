@@ -1,7 +1,8 @@
 """The fake vLLM server's capacity model: vLLM's ``--max-num-seqs`` admission and its scheduler gauges.
 
-Kept apart from :mod:`support.fake_vllm` (the HTTP and response model) so each stays readable; the server
-creates one :class:`Scheduler` and awaits ``admit()`` / calls ``release()`` around every generation.
+Kept apart from :mod:`support.fake_http` (the HTTP layer) and :mod:`support.fake_responses` (the response
+model) so each stays readable; the server creates one :class:`Scheduler` and awaits ``admit()`` / calls
+``release()`` around every generation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from support.fake_vllm import FakeVLLM
+    from support.fake_http import FakeVLLM
 
 
 class Scheduler:
