@@ -67,7 +67,7 @@ def test_a_failed_re_extraction_keeps_the_old_partition_whole(
         raise RuntimeError("out of memory in the middle of the partition")
 
     with monkeypatch.context() as patch:
-        patch.setattr(extract_module, "_render_rows", fail)  # dies before computing anything
+        patch.setattr(extract_module, "render_rows", fail)  # dies before computing anything
         with pytest.raises(RuntimeError, match="out of memory"):
             extract(layout, verifier, layers=[0, 1, 3])
     assert index.read_bytes() == before
