@@ -120,6 +120,7 @@ def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "Tr
         ttt_steps=config.ttt_steps,
         num_layers=config.num_layers,
         device=verifier.device,
+        precision=verifier.precision,
         max_steps_per_epoch=config.max_steps_per_epoch,
         max_val_batches=config.max_val_batches,
         init=config.init,

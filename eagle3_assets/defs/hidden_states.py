@@ -45,6 +45,7 @@ def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResour
         # the backend and its servers are the verifier resource's (EAGLE3_HIDDEN_STATES_*), overridable per run
         backend=verifier.hidden_states_backend,
         device=verifier.device,
+        precision=verifier.precision,
         batch_tokens=config.batch_tokens,
         vllm=VLLMBackendOptions(
             urls=tuple(verifier.hidden_states_urls()),

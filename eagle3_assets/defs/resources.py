@@ -119,6 +119,13 @@ class VerifierResource(SettingsResource):
         description="Where the hf backend and training run: `auto` is every visible GPU, else the CPU.",
         check=settings.check_device,
     )
+    precision: str = setting(
+        "auto",
+        env="EAGLE3_PRECISION",
+        description="Compute precision of the hf backend and training: `auto` is bfloat16 on GPUs and on CPUs with "
+        "native bf16 (AVX512-BF16/AMX), else float32.",
+        check=settings.one_of("auto", "float32", "bfloat16"),
+    )
     layer_ids: str = setting(
         "",
         env="EAGLE3_LAYER_IDS",

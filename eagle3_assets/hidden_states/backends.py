@@ -146,11 +146,15 @@ def make_backend(
     batch_tokens: int,
     vllm_options: VLLMBackendOptions | None = None,
     log: Callable[[str], None] | None = None,
+    precision: str = "auto",
 ) -> HiddenStateBackend:
     if name == "hf":
         from eagle3_assets.hidden_states.hf_backend import HFBackend
 
-        return HFBackend(verifier_path, layer_ids, store_dtype=store_dtype, device=device, batch_tokens=batch_tokens)
+        return HFBackend(
+            verifier_path, layer_ids, store_dtype=store_dtype, device=device, batch_tokens=batch_tokens,
+            precision=precision,
+        )  # fmt: skip
     if name == "vllm":
         from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
 

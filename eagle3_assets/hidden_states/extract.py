@@ -93,6 +93,7 @@ class HiddenStatesConfig:
     dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
     backend: str = "hf"
     device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
+    precision: str = "auto"  # hf backend compute: "auto" (bf16 where native), "float32", "bfloat16" (precision.py)
     batch_tokens: int = 8192  # padded tokens per forward pass
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
@@ -224,7 +225,7 @@ def _compute(
         vllm_options = dataclasses.replace(vllm_options, storage_path=str(data_dir / TRANSFER_DIR))
     backend = make_backend(
         config.backend, verifier_path, layer_ids, config.dtype, config.device, config.batch_tokens,
-        vllm_options=vllm_options, log=say,
+        vllm_options=vllm_options, log=say, precision=config.precision,
     )  # fmt: skip
     started = time.perf_counter()
     try:

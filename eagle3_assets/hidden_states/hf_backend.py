@@ -2,8 +2,8 @@
 
 Devices (``EAGLE3_DEVICE``): ``auto`` spreads the model over every visible GPU with ``device_map="auto"`` (a model
 too big for one GPU but not for the node), or the CPU when there is none; ``cuda`` means every visible GPU too;
-``cuda:N`` one GPU; ``cpu`` the CPU. Compute is bfloat16 on GPUs (what the verifier is served in) and float32 on
-the CPU (CPU bf16 matmuls are often slower and less exact).
+``cuda:N`` one GPU; ``cpu`` the CPU. Compute precision is ``EAGLE3_PRECISION`` (``eagle3_assets/precision.py``):
+by default bfloat16 on GPUs (what the verifier is served in) and on CPUs with native bf16, float32 on other CPUs.
 
 Only the needed layers are kept: a forward pre-hook on decoder layer ``i`` captures its input (layer id ``i``,
 HF's ``output_hidden_states[i]``), and a pre-hook on the final norm captures the last layer's raw output (HF's
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.precision import resolve_precision
 from eagle3_assets.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 DEVICE_KEY = "EAGLE3_DEVICE"
 
 
-def load_options(device: str) -> tuple[dict[str, Any], bool]:
-    """``from_pretrained`` keyword arguments for ``device`` and whether compute happens on GPUs."""
+def load_options(device: str, precision: str = "auto") -> tuple[dict[str, Any], bool]:
+    """``from_pretrained`` keyword arguments for ``device`` and ``precision``, and whether compute is on GPUs."""
     import torch
 
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -38,9 +39,9 @@ def load_options(device: str) -> tuple[dict[str, Any], bool]:
     if device.startswith("cuda:") and int(device[5:]) >= gpus:
         raise ConfigError(f"{DEVICE_KEY}={device!r}: only {gpus} CUDA device(s) are visible")
     if device == "cpu" or (device == "auto" and gpus == 0):
-        return {"dtype": torch.float32}, False
+        return {"dtype": getattr(torch, resolve_precision(precision, on_gpu=False))}, False
     device_map: Any = {"": int(device[5:])} if device.startswith("cuda:") else "auto"
-    return {"dtype": torch.bfloat16, "device_map": device_map}, True
+    return {"dtype": getattr(torch, resolve_precision(precision, on_gpu=True)), "device_map": device_map}, True
 
 
 class HFBackend:
@@ -55,11 +56,12 @@ class HFBackend:
         store_dtype: str = "bfloat16",
         device: str = "auto",
         batch_tokens: int = 8192,
+        precision: str = "auto",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        options, self.on_gpu = load_options(device)
+        options, self.on_gpu = load_options(device, precision)
         model = AutoModelForCausalLM.from_pretrained(str(verifier_path), attn_implementation="sdpa", **options)
         model.eval()
         self.base = getattr(model, model.base_model_prefix)

@@ -33,6 +33,7 @@ class TrainConfig:
     init: str = "token_copy"
     seed: int = 0
     device: str = "auto"
+    precision: str = "auto"  # autocast: "auto" (bf16 on GPUs and CPUs with native bf16), "float32", "bfloat16"
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
     save_dtype: str = "float32"  # dtype of the final weights: "float32" or "bfloat16"
     max_steps_per_epoch: int | None = None  # cap for tests and benchmarks
@@ -58,6 +59,8 @@ class TrainConfig:
             raise ConfigError(f"init={self.init!r}: must be one of {', '.join(INITS)}")
         if self.draft_attn_impl not in {"sdpa", "eager"}:
             raise ConfigError(f"draft_attn_impl={self.draft_attn_impl!r}: must be sdpa or eager")
+        if self.precision not in {"auto", "float32", "bfloat16"}:
+            raise ConfigError(f"precision={self.precision!r}: must be auto, float32 or bfloat16")
         if self.save_dtype not in {"float32", "bfloat16"}:
             raise ConfigError(f"save_dtype={self.save_dtype!r}: must be float32 or bfloat16")
         if self.max_val_batches is not None and self.max_val_batches <= 0:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets import lineage
+from eagle3_assets.precision import resolve_precision
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
@@ -244,11 +245,13 @@ def _prepare(
     layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
     device = resolve_device(config.device)
     on_gpu = device.type != "cpu"
-    # CPU: fp32 throughout (no autocast); GPU: bf16 autocast over fp32 weights, like speculators' Trainer
-    hs_dtype = torch.bfloat16 if on_gpu else torch.float32
+    # bf16 autocast over fp32 weights, like speculators' Trainer, where the hardware has bf16 (GPUs, recent CPUs);
+    # float32 throughout elsewhere (precision.py)
+    bf16 = resolve_precision(config.precision, on_gpu) == "bfloat16"
+    hs_dtype = torch.bfloat16 if bf16 else torch.float32
 
     def autocast() -> Any:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     notes: list[str] = []
     mapping = load_vocab_mapping(layout)

@@ -49,7 +49,9 @@ def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, verifier: Path
         fabricate_responses(layout, KEY, 16, failed_every=8, min_words=20, max_words=60)
         layouts[backend] = layout
     transfer = tmp_path / "transfer"
-    hf = extract_partition(layouts["hf"], KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, dtype="float32"))
+    hf = extract_partition(
+        layouts["hf"], KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, dtype="float32", precision="float32")
+    )
     vllm_config = HiddenStatesConfig(
         layer_ids=LAYERS, dtype="float32", backend="vllm", vllm=VLLMBackendOptions(storage_path=str(transfer))
     )

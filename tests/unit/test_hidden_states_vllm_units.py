@@ -129,11 +129,12 @@ def test_hf_backend_device_options() -> None:
 
     from eagle3_assets.hidden_states.hf_backend import load_options
 
-    assert load_options("cpu") == ({"dtype": torch.float32}, False)
+    assert load_options("cpu", "float32") == ({"dtype": torch.float32}, False)
+    assert load_options("cpu", "bfloat16") == ({"dtype": torch.bfloat16}, False)
     with pytest.raises(settings.ConfigError, match="EAGLE3_DEVICE='tpu'"):
         load_options("tpu")
     if not torch.cuda.is_available():
-        assert load_options("auto") == ({"dtype": torch.float32}, False)
+        assert load_options("auto", "float32") == ({"dtype": torch.float32}, False)
         with pytest.raises(settings.ConfigError, match="EAGLE3_DEVICE='cuda:1': no CUDA device"):
             load_options("cuda:1")
     else:
