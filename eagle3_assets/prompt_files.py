@@ -219,7 +219,7 @@ class JsonArrayRows:
             f"EAGLE3_PROMPTS_TRUNCATED=keep-complete to take those {count:,} records (the run reports where the "
             f"file was cut), or repair the file.",
             self.cut,
-        )
+        ) from None
 
     def _skip(self, text: _Text, pos: int) -> int:
         """Position of the next non-blank character (reading on as needed); ``len(text.text)`` at the end."""
