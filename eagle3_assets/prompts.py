@@ -73,6 +73,7 @@ class Reject:
 class Duplicate:
     line: int  # the dropped copy's line (JSON array: record number)
     kept_line: int  # the copy kept
+    kept_id: str
     sample_id: str
 
 
@@ -205,7 +206,7 @@ def load_prompts(
     rows, array = _rows(path, truncated)
 
     result = LoadedPrompts()
-    seen_messages: dict[tuple, int] = {}  # messages -> line of the copy kept
+    seen_messages: dict[tuple, tuple[int, str]] = {}  # messages -> (line, sample id) of the copy kept
     id_to_messages: dict[str, tuple[tuple, int]] = {}
     for number, row, raw, decode_error in rows:
         result.rows_read += 1
@@ -225,14 +226,14 @@ def load_prompts(
         if sample_id in id_to_messages:
             kept_messages, kept_line = id_to_messages[sample_id]
             if kept_messages == messages:
-                result.duplicate_rows.append(Duplicate(number, kept_line, sample_id))
+                result.duplicate_rows.append(Duplicate(number, kept_line, sample_id, sample_id))
             else:
                 result.rejects.append(Reject(number, f"duplicate id {sample_id!r} with different content", snippet))
             continue
         if messages in seen_messages:
-            result.duplicate_rows.append(Duplicate(number, seen_messages[messages], sample_id))
+            result.duplicate_rows.append(Duplicate(number, *seen_messages[messages], sample_id=sample_id))
             continue
-        seen_messages[messages] = number
+        seen_messages[messages] = (number, sample_id)
         id_to_messages[sample_id] = (messages, number)
         result.prompts.append(Prompt(sample_id, messages, number, source_format))
     result.cut = array.cut if array is not None else None
@@ -294,7 +295,9 @@ class PromptTableResult:
             )
         if self.duplicates:
             examples = "; ".join(
-                f"line {d.line} (id {d.sample_id!r}) repeats line {d.kept_line}" for d in self.duplicate_examples
+                f"line {d.line} (id {d.sample_id!r}) repeats line {d.kept_line}"
+                + (f" (id {d.kept_id!r})" if d.kept_id != d.sample_id else "")
+                for d in self.duplicate_examples
             )
             lines.append(f"{self.duplicates:,} exact duplicates dropped (the first copy kept), e.g. {examples}")
         return lines

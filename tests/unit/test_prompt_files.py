@@ -185,14 +185,15 @@ def test_reasons_group_with_field_names_kept() -> None:
 
 
 def test_prompt_table_reports_readable_reasons_and_duplicate_examples(tmp_path: Path) -> None:
-    records = [*SHAREGPT, _conv("d_1", ("human", "Q"), ("gpt", ""), ("human", "x")), SHAREGPT[0], SHAREGPT[1]]
+    copy_under_another_id = {**SHAREGPT[2], "id": "b_9"}
+    records = [*SHAREGPT, _conv("d_1", ("human", "Q"), ("gpt", ""), ("human", "x")), SHAREGPT[0], copy_under_another_id]
     path = _write_array(tmp_path / "p.json", records)
     result = build_prompt_table(path, DataLayout.at(tmp_path / "data"), partition_size=10, max_reject_share=1.0)
     assert result.reject_reasons["conversations[*].value is empty"] == 2
     assert result.duplicates == 2
     log = "\n".join(result.log_lines())
-    assert "2 exact duplicates dropped (the first copy kept), e.g. line 8 (id 'a_0') repeats line 1" in log
-    assert "line 9 (id 'a_1') repeats line 2" in log
+    assert "2 exact duplicates dropped (the first copy kept), e.g. line 8 (id 'a_0') repeats line 1; " in log
+    assert "line 9 (id 'b_9') repeats line 3 (id 'b_0')" in log
     assert "4 of 9 rows rejected (2 x conversations[*].value is empty;" in log
     assert "e.g. line 4: 'conversations' is empty" in log
 
