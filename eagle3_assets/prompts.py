@@ -1,24 +1,31 @@
 """Prompt datasets -> normalized conversations with stable sample ids; bad rows rejected with reasons.
 
-Three row shapes are read, from JSONL or Parquet:
+Three row shapes are read, from JSONL, a JSON array or Parquet (``prompt_files`` reads the files, and resolves
+``package:NAME`` to a dataset a Python package ships):
 
 * OpenAI:   ``{"id"?, "messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
 * ShareGPT: ``{"id"?, "conversations": [{"from": "human"|"gpt"|"system"|..., "value": str}, ...]}``
 * Plain:    ``{"id"?, "prompt": str}``
 
 Trailing assistant turns are dropped (the target model regenerates the final answer); earlier turns are
-kept as history. A row never crashes the loader: it is accepted or rejected with its line number and a
-reason.
+kept as history. A row never crashes the loader: it is accepted, rejected with its line number (a JSON array:
+its record number) and a reason, or dropped as an exact duplicate of an earlier row (counted and reported). A
+JSON array that is cut off or malformed stops the load (``prompt_files.DatasetCutError``) unless its complete
+records are taken on purpose (``truncated="keep-complete"``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from eagle3_assets import prompt_files
+from eagle3_assets.prompt_files import Cut, JsonArrayRows, Row
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -62,12 +69,25 @@ class Reject:
     snippet: str
 
 
+@dataclass(frozen=True)
+class Duplicate:
+    line: int  # the dropped copy's line (JSON array: record number)
+    kept_line: int  # the copy kept
+    kept_id: str
+    sample_id: str
+
+
 @dataclass
 class LoadedPrompts:
     prompts: list[Prompt] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
-    duplicates: int = 0
+    duplicate_rows: list[Duplicate] = field(default_factory=list)
     rows_read: int = 0
+    cut: Cut | None = None  # a cut-off JSON array whose complete records were taken (truncated="keep-complete")
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.duplicate_rows)
 
     @property
     def reject_share(self) -> float:
@@ -163,51 +183,31 @@ def _snippet(raw: bytes | str) -> str:
     return text[:REJECT_SNIPPET_CHARS].replace("\x00", "\\0")
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, bytes | None, str | None]]:
-    """(line number, decoded row, raw line, decode error) for each non-blank line."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one) is not part of the first row
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield number, None, raw, f"invalid UTF-8 at byte {error.start}"
-                continue
-            try:
-                yield number, json.loads(text), raw, None
-            except RecursionError:
-                yield number, None, raw, "invalid JSON: nested too deeply"
-            except ValueError as error:
-                yield number, None, raw, f"invalid JSON: {error}"
+def _rows(path: Path, truncated: str) -> tuple[Iterable[Row], JsonArrayRows | None]:
+    kind = prompt_files.dataset_format(path)
+    if kind == "parquet":
+        return prompt_files.parquet_rows(path), None
+    if kind == "jsonl":
+        return prompt_files.jsonl_rows(path), None
+    if truncated not in prompt_files.TRUNCATED_POLICIES:
+        raise ValueError(f"EAGLE3_PROMPTS_TRUNCATED={truncated!r}: must be one of {prompt_files.TRUNCATED_POLICIES}")
+    array = JsonArrayRows(path, keep_complete=truncated == "keep-complete")
+    return array, array
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, bytes | None, str | None]]:
-    import polars as pl
-
-    frame = pl.read_parquet(path)
-    for number, row in enumerate(frame.iter_rows(named=True), start=1):
-        yield number, row, None, None
-
-
-def load_prompts(path: str | Path, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS) -> LoadedPrompts:
-    """Read a JSONL or Parquet prompt dataset; keep the first of exact duplicates, reject bad rows."""
-    path = Path(path)
+def load_prompts(
+    path: str | Path, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, truncated: str = "error"
+) -> LoadedPrompts:
+    """Read a JSONL, JSON-array or Parquet prompt dataset (or ``package:NAME``); keep the first of exact
+    duplicates, reject bad rows. ``truncated``: ``error`` or ``keep-complete`` for a cut-off JSON array."""
+    path = prompt_files.resolve_dataset_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt dataset {path} does not exist (EAGLE3_PROMPTS_PATH)")
-    suffix = path.suffix.lower()
-    if suffix in {".jsonl", ".json", ".ndjson"}:
-        rows = _jsonl_rows(path)
-    elif suffix == ".parquet":
-        rows = _parquet_rows(path)
-    else:
-        raise ValueError(f"prompt dataset {path}: unknown format {suffix!r} (use .jsonl or .parquet)")
+    rows, array = _rows(path, truncated)
 
     result = LoadedPrompts()
-    seen_messages: set[tuple] = set()
-    id_to_messages: dict[str, tuple] = {}
+    seen_messages: dict[tuple, tuple[int, str]] = {}  # messages -> (line, sample id) of the copy kept
+    id_to_messages: dict[str, tuple[tuple, int]] = {}
     for number, row, raw, decode_error in rows:
         result.rows_read += 1
         snippet = _snippet(raw) if raw is not None else _snippet(repr(row))
@@ -224,17 +224,19 @@ def load_prompts(path: str | Path, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CH
             continue
         sample_id = dataset_id if dataset_id is not None else content_hash_id(messages)
         if sample_id in id_to_messages:
-            if id_to_messages[sample_id] == messages:
-                result.duplicates += 1
+            kept_messages, kept_line = id_to_messages[sample_id]
+            if kept_messages == messages:
+                result.duplicate_rows.append(Duplicate(number, kept_line, sample_id, sample_id))
             else:
                 result.rejects.append(Reject(number, f"duplicate id {sample_id!r} with different content", snippet))
             continue
         if messages in seen_messages:
-            result.duplicates += 1
+            result.duplicate_rows.append(Duplicate(number, *seen_messages[messages], sample_id=sample_id))
             continue
-        seen_messages.add(messages)
-        id_to_messages[sample_id] = messages
+        seen_messages[messages] = (number, sample_id)
+        id_to_messages[sample_id] = (messages, number)
         result.prompts.append(Prompt(sample_id, messages, number, source_format))
+    result.cut = array.cut if array is not None else None
     return result
 
 
@@ -271,13 +273,55 @@ class PromptTableResult:
     reject_reasons: dict[str, int]
     table_path: Path
     rejects_path: Path
+    dataset_file: Path = Path()
+    reject_examples: tuple[Reject, ...] = ()
+    duplicate_examples: tuple[Duplicate, ...] = ()
+    cut: Cut | None = None
+
+    def log_lines(self) -> list[str]:
+        """What the run log says about this load: the cut taken, the rejects and the duplicates dropped."""
+        lines = []
+        if self.cut is not None:
+            lines.append(
+                f"EAGLE3_PROMPTS_TRUNCATED=keep-complete: took the {self.cut.complete_records:,} complete records of "
+                f"{self.dataset_file}, which is not a complete JSON array: {self.cut.describe()}"
+            )
+        if self.rejects:
+            reasons = "; ".join(f"{n:,} x {kind}" for kind, n in self.reject_reasons.items())
+            examples = "; ".join(f"line {r.line}: {r.reason}" for r in self.reject_examples)
+            lines.append(
+                f"{self.rejects:,} of {self.rows_read:,} rows rejected ({reasons}), e.g. {examples}; "
+                f"every reject with its line and reason: {self.rejects_path}"
+            )
+        if self.duplicates:
+            examples = "; ".join(
+                f"line {d.line} (id {d.sample_id!r}) repeats line {d.kept_line}"
+                + (f" (id {d.kept_id!r})" if d.kept_id != d.sample_id else "")
+                for d in self.duplicate_examples
+            )
+            lines.append(f"{self.duplicates:,} exact duplicates dropped (the first copy kept), e.g. {examples}")
+        return lines
 
 
-def _reason_kind(reason: str) -> str:
-    # Group "'messages'[3] has unknown role 'tool'" and "'messages'[0] ..." under one heading.
-    import re
+# Field names stay, numbers and indices are masked: "'conversations'[3].value is empty" and
+# "'conversations'[0].value is empty" group as "conversations[*].value is empty".
+_REASON_PARTS = re.compile(r"duplicate id '(?:[^'\\]|\\.)*'|'(\w+)'(?=\[)|'(?:[^'\\]|\\.)*'|\[\d+\]|\d[\d,]*")
 
-    return re.sub(r"\[\d+\]|'[^']*'|\d[\d,]*", "_", reason)[:80]
+
+def _mask(match: re.Match[str]) -> str:
+    text = match.group(0)
+    if text.startswith("duplicate id"):
+        return "duplicate id '…'"
+    if match.group(1):
+        return match.group(1)
+    if text.startswith("'"):
+        return text
+    return "[*]" if text.startswith("[") else "N"
+
+
+def reason_kind(reason: str) -> str:
+    """The heading a reject reason is counted under (readable: field names kept, varying numbers masked)."""
+    return _REASON_PARTS.sub(_mask, reason)[:100]
 
 
 def build_prompt_table(
@@ -286,8 +330,12 @@ def build_prompt_table(
     partition_size: int,
     max_reject_share: float = 0.05,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    truncated: str = "error",
 ) -> PromptTableResult:
     """Load the dataset and write ``raw_prompts`` (table, rejects, manifest) under ``layout``.
+
+    ``truncated``: what a cut-off or malformed JSON array does, ``error`` (raise ``DatasetCutError``, nothing
+    written) or ``keep-complete`` (take the records before the cut; ``result.cut`` says where it was).
 
     Positions are stable across re-runs (see ``partitions.assign_positions``). A changed partition size
     would move samples between partitions that may already be generated, so it is refused while
@@ -298,7 +346,8 @@ def build_prompt_table(
     from eagle3_assets import storage
     from eagle3_assets.partitions import assign_positions
 
-    loaded = load_prompts(dataset_path, max_prompt_chars)
+    dataset_file = prompt_files.resolve_dataset_path(dataset_path)
+    loaded = load_prompts(dataset_file, max_prompt_chars, truncated)
     _refuse_bad_dataset(loaded, dataset_path, max_reject_share)
     previous = _previous_positions(layout, partition_size)
     ids = [p.sample_id for p in loaded.prompts]
@@ -315,6 +364,8 @@ def build_prompt_table(
     storage.write_json_atomic(
         {
             "dataset_path": str(dataset_path),
+            "dataset_file": str(dataset_file),
+            "dataset_cut": loaded.cut.as_dict() if loaded.cut is not None else None,
             "partition_size": partition_size,
             "rows": table.height,
             "partition_keys": keys,
@@ -332,9 +383,13 @@ def build_prompt_table(
         partition_keys=keys,
         partition_size=partition_size,
         prompt_chars=table["prompt_chars"].to_list(),
-        reject_reasons=dict(collections.Counter(_reason_kind(r.reason) for r in loaded.rejects).most_common(10)),
+        reject_reasons=dict(collections.Counter(reason_kind(r.reason) for r in loaded.rejects).most_common(10)),
         table_path=layout.prompts_path,
         rejects_path=layout.rejects_path,
+        dataset_file=dataset_file,
+        reject_examples=tuple(loaded.rejects[:3]),
+        duplicate_examples=tuple(loaded.duplicate_rows[:3]),
+        cut=loaded.cut,
     )
 
 

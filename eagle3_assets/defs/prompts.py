@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from eagle3_assets import plots, prompts
+from eagle3_assets import plots, prompt_files, prompts
 from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
@@ -14,7 +14,8 @@ from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResourc
     description=(
         "Every accepted prompt of the dataset (EAGLE3_PROMPTS_PATH) as a normalized conversation with a "
         "stable sample_id and a fixed position; rows that fail validation go to rejects.jsonl with their "
-        "line and reason. Registers one partition per EAGLE3_PARTITION_SIZE positions."
+        "line and reason, exact duplicates are dropped (both reported in the run log). Registers one "
+        "partition per EAGLE3_PARTITION_SIZE positions."
     ),
 )
 def raw_prompts(
@@ -22,14 +23,18 @@ def raw_prompts(
 ) -> dg.MaterializeResult:
     layout = data_store.layout
     result = prompts.build_prompt_table(
-        prompt_dataset.path, layout, prompt_dataset.partition_size, prompt_dataset.max_reject_share
+        prompt_dataset.path,
+        layout,
+        prompt_dataset.partition_size,
+        prompt_dataset.max_reject_share,
+        truncated=prompt_dataset.truncated,
     )
     known = set(context.instance.get_dynamic_partitions(PROMPT_PARTITIONS.name))
     new_keys = [key for key in result.partition_keys if key not in known]
     if new_keys:
         context.instance.add_dynamic_partitions(PROMPT_PARTITIONS.name, new_keys)
-    if result.rejects:
-        context.log.warning(f"{result.rejects} rows rejected; reasons in {result.rejects_path}")
+    for line in result.log_lines():  # the cut taken, rejects and duplicates, with examples
+        context.log.warning(line)
     chars = result.prompt_chars
     return dg.MaterializeResult(
         metadata={
@@ -37,6 +42,7 @@ def raw_prompts(
             "rows_read": result.rows_read,
             "rejects": result.rejects,
             "duplicates": result.duplicates,
+            **_cut_metadata(result.cut),
             "new_samples": result.new_samples,
             "dropped_samples": result.dropped_samples,
             "partitions": len(result.partition_keys),
@@ -53,6 +59,17 @@ def raw_prompts(
             ),
         }
     )
+
+
+def _cut_metadata(cut: prompt_files.Cut | None) -> dict:
+    """Where a JSON-array dataset was cut and how many of its records were taken (EAGLE3_PROMPTS_TRUNCATED)."""
+    if cut is None:
+        return {}
+    return {
+        "dataset_cut": dg.MetadataValue.text(cut.describe()),
+        "dataset_cut_at_byte": cut.byte_offset,
+        "dataset_records_taken": cut.complete_records,
+    }
 
 
 @dg.asset_check(asset=raw_prompts, description="Every sample_id appears once and every position is unique.")

