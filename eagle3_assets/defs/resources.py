@@ -17,7 +17,7 @@ from typing import Any
 import dagster as dg
 from pydantic import ValidationError, ValidationInfo, field_validator
 
-from eagle3_assets import settings
+from eagle3_assets import prompts, settings
 from eagle3_assets.settings import ConfigError, setting
 from eagle3_assets.storage import DataLayout
 
@@ -99,6 +99,24 @@ class PromptDatasetResource(SettingsResource):
             "the complete records before it; `keep-complete` takes those records and logs where the file was cut."
         ),
         check=settings.one_of("error", "keep-complete"),
+    )
+    turns: str = setting(
+        "all",
+        env="EAGLE3_PROMPTS_TURNS",
+        description=(
+            "Which turns of a conversation make the prompt: `all` (earlier turns as history, the model answers the "
+            "last user turn) or `first` (a leading system turn and the first user turn only)."
+        ),
+        check=settings.one_of("all", "first"),
+    )
+    limit: int = setting(
+        0, env="EAGLE3_PROMPTS_LIMIT", description="Read only the first N dataset rows; 0: all of them.", ge=0
+    )
+    max_prompt_chars: int = setting(
+        prompts.DEFAULT_MAX_PROMPT_CHARS,
+        env="EAGLE3_MAX_PROMPT_CHARS",
+        description="Rows whose prompt is longer (characters, all turns) are rejected with that reason.",
+        gt=0,
     )
     partition_size: int = setting(1000, env="EAGLE3_PARTITION_SIZE", description="Samples per partition.", gt=0)
     max_reject_share: float = setting(

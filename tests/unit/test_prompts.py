@@ -120,3 +120,25 @@ def test_shipped_sample_is_clean_and_varied() -> None:
     assert sum(len(p.messages) > 2 for p in loaded.prompts) > 300
     categories = {p.sample_id.rsplit("-", 1)[-1] for p in loaded.prompts if p.sample_id.startswith("sample-")}
     assert {"math", "code", "chat", "reasoning"} <= categories
+
+
+def test_first_turn_keeps_a_leading_system_turn_and_the_first_user_turn(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "conversations": [{"from": "gpt", "value": "split"}, {"from": "human", "value": "q1"},
+                                      {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"}]},
+        {"id": "b", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "a"}]},
+    ]  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_prompts(path, turns_kept="first")
+    assert [p.messages for p in loaded.prompts] == [(("user", "q1"),), (("system", "be brief"), ("user", "q"))]
+    everything = load_prompts(path)
+    assert everything.prompts[0].messages[-1] == ("user", "q2")  # all: history kept, the last user turn asked
+
+
+def test_limit_reads_only_the_first_rows(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(10)))
+    loaded = load_prompts(path, limit=4)
+    assert loaded.rows_read == 4 and [p.messages[0][1] for p in loaded.prompts] == ["p0", "p1", "p2", "p3"]
