@@ -94,6 +94,8 @@ def check_vllm(verifier: Path, root: Path, samples: int) -> tuple[str, float, fl
     from eagle3_assets.local.vllm_server import default_vllm_python
 
     python = default_vllm_python()
+    if not python.exists():  # seen on a GPU machine without the vLLM venv: Popen raised instead of skipping
+        return f"vllm: skipped, no interpreter at {python} (set EAGLE3_VLLM_PYTHON)"
     probe = subprocess.run(
         [str(python), "-c", "import torch, vllm; assert torch.cuda.is_available(), 'no GPU visible'"],
         capture_output=True, text=True, check=False,
