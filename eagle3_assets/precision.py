@@ -1,11 +1,13 @@
 """Compute precision of the hf hidden-states backend and of draft training (``EAGLE3_PRECISION``).
 
-``auto`` is bfloat16 wherever the hardware computes it natively: on GPUs, and on CPUs whose instruction set has
-bf16 dot products (AVX512-BF16 or AMX-BF16: Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later).
-Elsewhere a bf16 matmul is emulated, slower than float32, so ``auto`` is float32 there. Measured on a 2-core
-AVX512-BF16 machine (``benchmarks/cpu_precision.py``): SmolLM2-135M's forward pass ran ~2.6x faster in bf16. The
-hidden states are stored in ``EAGLE3_HIDDEN_STATES_DTYPE`` (bf16 by default) whatever the compute precision; what
-bf16 compute changes is the last bits of every layer's output, as it does for a verifier served in bf16.
+``auto`` follows the precision the verifier is served at, so the states a draft learns from are the ones it meets:
+bfloat16 on GPUs (vLLM serves in bf16 there), float32 on the CPU (the embedded CPU vLLM serves in float32, and a
+kill-and-resume or a switch between the ``hf`` and ``vllm`` backends must give the same states). ``bfloat16`` on the
+CPU is an explicit speed choice: on CPUs whose instruction set has bf16 dot products (AVX512-BF16 or AMX-BF16: Intel
+Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later; ``cpu_has_native_bf16``) SmolLM2-135M's forward pass
+ran ~2.6x faster (measured on 2 cores); elsewhere a bf16 matmul is emulated and slower than float32. The hidden
+states are stored in ``EAGLE3_HIDDEN_STATES_DTYPE`` (bf16 by default) whatever the compute precision; bf16 compute
+changes the last bits of every layer's output, as serving in bf16 does.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
-def resolve_precision(precision: str, on_gpu: bool, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+def resolve_precision(precision: str, on_gpu: bool) -> str:
     """``float32`` or ``bfloat16`` for a requested ``precision`` on a GPU (``on_gpu``) or the CPU."""
     if precision not in PRECISIONS:
         raise ValueError(f"{PRECISION_KEY}={precision!r}: must be one of {', '.join(PRECISIONS)}")
     if precision != "auto":
         return precision
-    return "bfloat16" if on_gpu or cpu_has_native_bf16(cpuinfo) else "float32"
+    return "bfloat16" if on_gpu else "float32"
+
+
+def fastest_cpu_precision(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The faster explicit precision for CPU-only runs (the real-model demo): bf16 where the CPU computes it."""
+    return "bfloat16" if cpu_has_native_bf16(cpuinfo) else "float32"

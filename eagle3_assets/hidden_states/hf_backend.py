@@ -3,7 +3,7 @@
 Devices (``EAGLE3_DEVICE``): ``auto`` spreads the model over every visible GPU with ``device_map="auto"`` (a model
 too big for one GPU but not for the node), or the CPU when there is none; ``cuda`` means every visible GPU too;
 ``cuda:N`` one GPU; ``cpu`` the CPU. Compute precision is ``EAGLE3_PRECISION`` (``eagle3_assets/precision.py``):
-by default bfloat16 on GPUs (what the verifier is served in) and on CPUs with native bf16, float32 on other CPUs.
+by default bfloat16 on GPUs and float32 on the CPU (what the verifier is served in there).
 
 Only the needed layers are kept: a forward pre-hook on decoder layer ``i`` captures its input (layer id ``i``,
 HF's ``output_hidden_states[i]``), and a pre-hook on the final norm captures the last layer's raw output (HF's

@@ -33,7 +33,7 @@ class TrainConfig:
     init: str = "token_copy"
     seed: int = 0
     device: str = "auto"
-    precision: str = "auto"  # autocast: "auto" (bf16 on GPUs and CPUs with native bf16), "float32", "bfloat16"
+    precision: str = "auto"  # autocast: "auto" (bf16 on GPUs, float32 on the CPU), "float32", "bfloat16" (precision.py)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
     save_dtype: str = "float32"  # dtype of the final weights: "float32" or "bfloat16"
     max_steps_per_epoch: int | None = None  # cap for tests and benchmarks

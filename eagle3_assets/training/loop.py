@@ -245,7 +245,7 @@ def _prepare(
     layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
     device = resolve_device(config.device)
     on_gpu = device.type != "cpu"
-    # bf16 autocast over fp32 weights, like speculators' Trainer, where the hardware has bf16 (GPUs, recent CPUs);
+    # bf16 autocast over fp32 weights, like speculators' Trainer, on GPUs or where asked for (a CPU with native bf16);
     # float32 throughout elsewhere (precision.py)
     bf16 = resolve_precision(config.precision, on_gpu) == "bfloat16"
     hs_dtype = torch.bfloat16 if bf16 else torch.float32

@@ -1,4 +1,5 @@
-"""EAGLE3_PRECISION: `auto` is bf16 exactly where the hardware has it, and the hf backend's states stay close."""
+"""EAGLE3_PRECISION: `auto` follows the serving precision (bf16 on GPUs, float32 on the CPU, so the hf and vllm
+backends agree there); bf16 on the CPU is chosen only where the CPU has it; the hf backend's states stay close."""
 
 from __future__ import annotations
 
@@ -6,23 +7,27 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.precision import cpu_has_native_bf16, resolve_precision
+from eagle3_assets.precision import cpu_has_native_bf16, fastest_cpu_precision, resolve_precision
 
 FLAGS_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n"
 FLAGS_PLAIN = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512vl\n"
 
 
 @pytest.mark.parametrize(
-    ("flags", "on_gpu", "expected"),
-    [(FLAGS_BF16, False, "bfloat16"), (FLAGS_PLAIN, False, "float32"), (FLAGS_PLAIN, True, "bfloat16")],
+    ("flags", "expected"),
+    [(FLAGS_BF16, "bfloat16"), (FLAGS_PLAIN, "float32")],
 )
-def test_auto_follows_the_hardware(tmp_path: Path, flags: str, on_gpu: bool, expected: str) -> None:
+def test_auto_follows_serving_and_the_fast_cpu_choice_follows_the_hardware(
+    tmp_path: Path, flags: str, expected: str
+) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(flags)
-    assert resolve_precision("auto", on_gpu, cpuinfo) == expected
+    assert fastest_cpu_precision(cpuinfo) == expected
+    assert resolve_precision("auto", on_gpu=False) == "float32"  # whatever the CPU: as the CPU vLLM serves
+    assert resolve_precision("auto", on_gpu=True) == "bfloat16"
     # an explicit choice is never overridden
-    assert resolve_precision("float32", True, cpuinfo) == "float32"
-    assert resolve_precision("bfloat16", False, cpuinfo) == "bfloat16"
+    assert resolve_precision("float32", True) == "float32"
+    assert resolve_precision("bfloat16", False) == "bfloat16"
 
 
 def test_unknown_cpu_and_bad_value(tmp_path: Path) -> None:
