@@ -164,7 +164,7 @@ class VerifierResource(SettingsResource):
         "auto",
         env="EAGLE3_PRECISION",
         description="Compute precision of the hf backend and training: `auto` is bfloat16 on GPUs, float32 on the CPU "
-        "(as the CPU vLLM serves); `bfloat16` on a CPU with AVX512-BF16/AMX is ~2.6x faster (the real-model demo's choice).",
+        "(as the CPU vLLM serves); `bfloat16` on a CPU with AVX512-BF16/AMX is ~2.6x faster (demo --real picks it).",
         check=settings.one_of("auto", "float32", "bfloat16"),
     )
     layer_ids: str = setting(

@@ -93,7 +93,7 @@ class HiddenStatesConfig:
     dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
     backend: str = "hf"
     device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
-    precision: str = "auto"  # hf backend compute: "auto" (bf16 on GPUs, float32 on the CPU), "float32", "bfloat16" (precision.py)
+    precision: str = "auto"  # hf backend compute: "auto" (bf16 on GPUs, float32 on CPUs), "float32", "bfloat16"
     batch_tokens: int = 8192  # padded tokens per forward pass
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
