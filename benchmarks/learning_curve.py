@@ -216,6 +216,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--precision", default="", help="hidden states and training: auto|float32|bfloat16; default: bf16 where native"
+    )
     parser.add_argument("--generator", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--base-url", default="", help="--generator vllm: a running server; default: start one")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -223,6 +226,10 @@ def main() -> None:
     parser.add_argument("--curve", type=Path, help="where points are appended (default: <data>/curve.jsonl)")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new point after this many seconds")
     args = parser.parse_args()
+    if not args.precision:
+        from eagle3_assets.precision import fastest_cpu_precision
+
+        args.precision = fastest_cpu_precision() if args.device == "cpu" else "auto"
     started = time.perf_counter()
     sizes = [int(s) for s in args.sizes.split(",")]
     largest = max(sizes)
@@ -269,7 +276,9 @@ def main() -> None:
     from eagle3_assets.hidden_states.extract import HiddenStatesConfig, extract_partition
 
     t0 = time.perf_counter()
-    hs_config = HiddenStatesConfig(device=args.device, batch_tokens=65536 if args.device != "cpu" else 8192)
+    hs_config = HiddenStatesConfig(
+        device=args.device, precision=args.precision, batch_tokens=65536 if args.device != "cpu" else 8192
+    )
     for key in [*keys, HELD_OUT_KEY, HUMANEVAL_KEY]:
         result = extract_partition(layout, key, args.verifier, hs_config, log=lambda s: None)
         tokens += result.tokens
@@ -301,7 +310,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         train_keys = keys[: (samples + PARTITION - 1) // PARTITION]
         config = TrainConfig(
             epochs=args.epochs, lr=lr, init=init, device=args.device, tokens_per_batch=args.tokens_per_batch,
-            ttt_steps=args.ttt_steps, max_val_batches=16, keep_checkpoints=1,
+            ttt_steps=args.ttt_steps, max_val_batches=16, keep_checkpoints=1, precision=args.precision,
         )  # fmt: skip
         shutil.rmtree(layout.draft_model_dir, ignore_errors=True)
         t0 = time.perf_counter()
@@ -315,6 +324,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
             accept[label] = stats[0].mean_acceptance_length
         point = {
             "samples": samples, "lr": lr, "init": init, "epochs": args.epochs, "steps": result.steps,
+            "precision": args.precision, "draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps,
             "tokens_trained": result.tokens_trained, "train_s": round(train_s, 1),
             "eval_s": round(time.perf_counter() - t0, 1), "val_loss": result.val_loss,
             "val_acceptance_length": result.val_acceptance_length,
