@@ -11,6 +11,7 @@ from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
+from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
 from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
 from eagle3_assets.settings import setting
 
@@ -27,7 +28,10 @@ class HiddenStatesRunConfig(SettingsConfig):
 
     max_seq_len: int = setting(2048, description="Tokens kept per sample (longer ones are cut).", gt=1)
     dtype: str = setting(
-        "bfloat16", description="Storage dtype of the hidden states.", check=settings.one_of("bfloat16", "float32")
+        "bfloat16",
+        description="Storage dtype of the hidden states: float8_e4m3fn halves bf16's bytes (one scale per token and "
+        "layer).",
+        check=settings.one_of(*STORAGE_DTYPES),
     )
     batch_tokens: int = setting(8192, description="hf backend: padded tokens per forward pass.", gt=0)
     concurrency: int = setting(32, description="vllm backend: requests in flight over the extraction servers.", gt=0)

@@ -164,7 +164,8 @@ def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None
     import polars as pl
     import torch
     from datasets import load_from_disk
-    from safetensors.torch import load_file
+
+    from eagle3_assets.hidden_states.storage_format import load_states
 
     data_dir = layout.hidden_states_dir(partition_key)
     index_path = layout.hidden_states_index_path(partition_key)
@@ -176,10 +177,10 @@ def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None
         if max_samples is not None and n >= max_samples:
             break
         row = dataset[int(rec["row"])]
-        tensors = load_file(str(data_dir / rec["file"]))
+        states = load_states(data_dir / rec["file"])  # dequantized when stored as FP8
         input_ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
         loss_mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)
-        yield str(rec["sample_id"]), input_ids, loss_mask, tensors["hidden_states"]
+        yield str(rec["sample_id"]), input_ids, loss_mask, states
 
 
 def anchor_acceptance(

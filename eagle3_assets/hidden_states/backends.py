@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
 LAYER_IDS_KEY = "layer_ids"
-DTYPES = {"bfloat16": 2, "float32": 4}
 
 
 def default_threads() -> int:

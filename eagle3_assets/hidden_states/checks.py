@@ -52,13 +52,14 @@ def check_token_ids(layout: DataLayout, partition_key: str) -> CheckOutcome:
 def check_finite(layout: DataLayout, partition_key: str) -> CheckOutcome:
     """No NaN/Inf in any stored hidden state (reads every value)."""
     import torch
-    from safetensors.torch import load_file
+
+    from eagle3_assets.hidden_states.storage_format import load_states
 
     data_dir = layout.hidden_states_dir(partition_key)
     index = _load_index(layout, partition_key)
     bad = []
     for row in index["row"].to_list():
-        hs = load_file(str(hs_file(data_dir, row)))["hidden_states"]
+        hs = load_states(hs_file(data_dir, row))
         if not bool(torch.isfinite(hs).all()):
             bad.append(row)
     return CheckOutcome(not bad, f"{len(bad)} of {index.height} samples hold NaN/Inf", {"bad_rows": bad[:20]})

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 from eagle3_assets import lineage
 from eagle3_assets.hidden_states.backends import (
     BACKEND_NAMES,
-    DTYPES,
     make_backend,
     plan_batches,
     resolve_layer_ids,
@@ -63,6 +62,7 @@ from eagle3_assets.hidden_states.samples import (
     validate_sample_file,
     write_sample,
 )
+from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES, backend_dtype
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import (
@@ -90,7 +90,7 @@ _WRITERS = 4
 class HiddenStatesConfig:
     layer_ids: list[int] | None = None  # None: EAGLE-3's default [2, N//2, N-3], validated against the verifier
     max_seq_len: int = 2048
-    dtype: str = "bfloat16"  # storage dtype: "bfloat16" or "float32"
+    dtype: str = "bfloat16"  # storage dtype: "bfloat16", "float32" or "float8_e4m3fn" (storage_format.py)
     backend: str = "hf"
     device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
     precision: str = "auto"  # hf backend compute: "auto" (bf16 on GPUs, float32 on CPUs), "float32", "bfloat16"
@@ -99,8 +99,8 @@ class HiddenStatesConfig:
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
+        if self.dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(STORAGE_DTYPES)}")
         if self.max_seq_len <= 1:
             raise ConfigError(f"max_seq_len={self.max_seq_len!r}: must be an integer above 1")
         if self.batch_tokens <= 0:
@@ -224,13 +224,13 @@ def _compute(
         # what a killed run left in flight
         vllm_options = dataclasses.replace(vllm_options, storage_path=str(data_dir / TRANSFER_DIR))
     backend = make_backend(
-        config.backend, verifier_path, layer_ids, config.dtype, config.device, config.batch_tokens,
+        config.backend, verifier_path, layer_ids, backend_dtype(config.dtype), config.device, config.batch_tokens,
         vllm_options=vllm_options, log=say, precision=config.precision,
     )  # fmt: skip
     started = time.perf_counter()
     try:
         with torch_threads(config.num_threads):
-            _run_backend(backend, pending, data_dir, say)
+            _run_backend(backend, pending, data_dir, config.dtype, say)
     finally:
         backend.close()
         shutil.rmtree(data_dir / TRANSFER_DIR, ignore_errors=True)
@@ -337,7 +337,7 @@ def extract_partition(
     )
 
 
-def _run_backend(backend: Any, pending: list[Row], data_dir: Path, say: Callable[[str], None]) -> int:
+def _run_backend(backend: Any, pending: list[Row], data_dir: Path, storage: str, say: Callable[[str], None]) -> int:
     """Forward passes on this thread, file writes on a few writer threads so disk I/O overlaps compute.
 
     Each file is fsynced (atomic_path); an fsync mostly waits on the disk with the GIL released, so a few
@@ -352,9 +352,8 @@ def _run_backend(backend: Any, pending: list[Row], data_dir: Path, say: Callable
             samples = [pending[i] for i in batch]
             states = backend.extract([s.input_ids for s in samples])
             for sample, hs in zip(samples, states, strict=True):
-                futures.append(
-                    writer.submit(write_sample, hs_file(data_dir, sample.row), hs, sample.input_ids, sample.sample_id)
-                )
+                path = hs_file(data_dir, sample.row)
+                futures.append(writer.submit(write_sample, path, hs, sample.input_ids, sample.sample_id, storage))
             # bound memory held by queued writes, and surface a write error early
             while len(futures) > 256:
                 written += futures.pop(0).result()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_assets.hidden_states.backends import DTYPES
+from eagle3_assets.hidden_states import storage_format
 from eagle3_assets.storage import DataLayout, atomic_path
 
 if TYPE_CHECKING:
@@ -44,8 +44,9 @@ def hs_file(data_dir: Path, row: int) -> Path:
 
 
 def estimate_bytes(tokens: int, samples: int, n_states: int, hidden_size: int, dtype: str) -> int:
-    """Bytes a partition needs: the floor (tokens x states x H x dtype) plus token ids, headers and the dataset."""
-    per_token = n_states * hidden_size * DTYPES[dtype] + 8 + _DATASET_BYTES_PER_TOKEN
+    """Bytes a partition needs: the floor (tokens x states x H x dtype, + FP8's scales) plus token ids, headers and
+    the dataset."""
+    per_token = storage_format.bytes_per_token(dtype, n_states, hidden_size) + 8 + _DATASET_BYTES_PER_TOKEN
     return tokens * per_token + samples * _FILE_OVERHEAD
 
 
@@ -112,15 +113,19 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
     try:
         with safe_open(str(path), framework="pt") as handle:
             keys = set(handle.keys())
-            if keys != {"hidden_states", "token_ids"}:
+            if keys != storage_format.file_keys(dtype):
                 return f"keys {sorted(keys)}"
             hs = handle.get_slice("hidden_states")
             shape = tuple(hs.get_shape())
             if shape != (len(input_ids), n_states, hidden_size):
                 return f"shape {shape} != {(len(input_ids), n_states, hidden_size)}"
             stored_dtype = hs.get_dtype()
-            if stored_dtype != {"bfloat16": "BF16", "float32": "F32"}[dtype]:
+            if stored_dtype != storage_format.safetensors_dtype(dtype):
                 return f"dtype {stored_dtype}"
+            if storage_format.SCALES_KEY in keys:
+                scales = tuple(handle.get_slice(storage_format.SCALES_KEY).get_shape())
+                if scales != (len(input_ids), n_states, 1):
+                    return f"scales shape {scales} != {(len(input_ids), n_states, 1)}"
             if handle.get_tensor("token_ids").tolist() != input_ids:
                 return "token_ids differ from the rendered sample"
     except Exception as error:
@@ -128,7 +133,10 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
     return None
 
 
-def write_sample(path: Path, hidden_states: torch.Tensor, input_ids: list[int], sample_id: str) -> int:
+def write_sample(
+    path: Path, hidden_states: torch.Tensor, input_ids: list[int], sample_id: str, storage: str = "bfloat16"
+) -> int:
+    """Write one sample file in the ``storage`` dtype (``storage_format``); returns its size in bytes."""
     import torch
     from safetensors.torch import save_file
 
@@ -136,7 +144,7 @@ def write_sample(path: Path, hidden_states: torch.Tensor, input_ids: list[int], 
     lo, hi = torch.aminmax(hidden_states)
     if not bool(torch.isfinite(torch.stack((lo, hi))).all()):
         raise ValueError(f"hidden states of {sample_id} contain non-finite values (min={lo}, max={hi})")
-    tensors = {"hidden_states": hidden_states.contiguous(), "token_ids": torch.tensor(input_ids, dtype=torch.long)}
-    with atomic_path(path, needed_bytes=hidden_states.numel() * hidden_states.element_size()) as tmp:
+    tensors = {**storage_format.encode(hidden_states, storage), "token_ids": torch.tensor(input_ids, dtype=torch.long)}
+    with atomic_path(path, needed_bytes=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
         save_file(tensors, str(tmp))
     return path.stat().st_size

@@ -106,12 +106,22 @@ def make_loader(
     """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share)."""
     from torch.utils.data import ConcatDataset, DataLoader
 
+    from eagle3_assets.hidden_states.checks import META_FILE
+    from eagle3_assets.hidden_states.samples import HS_SUBDIR
+    from eagle3_assets.hidden_states.storage_format import training_transfer
     from eagle3_assets.speculators_adapter import offline_data
+    from eagle3_assets.storage import read_json
 
     sp = offline_data()
-    datasets = [
-        sp.ArrowDataset(max_len=tokens, datapath=str(d), on_missing="raise", hidden_states_dtype=dtype) for d in dirs
-    ]
+    datasets = []
+    for d in dirs:  # each partition in its own storage dtype: FP8 ones are read through hs_connectors' FP8Transfer
+        storage = read_json(d / META_FILE)["dtype"]
+        transfer = training_transfer(d / HS_SUBDIR, storage, dtype)
+        datasets.append(
+            sp.ArrowDataset(
+                max_len=tokens, datapath=str(d), transfer=transfer, on_missing="raise", hidden_states_dtype=dtype
+            )
+        )
     lengths = [n for ds in datasets for n in ds.approx_lengths]
     sampler = sp.MultipackDistributedBatchSamplerV2(
         batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
