@@ -38,8 +38,8 @@ def main() -> int:
     from eagle3_assets.hidden_states.backends import torch_threads
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
-    from eagle3_assets.training.loop import make_loader as _loader
-    from eagle3_assets.training.loop import to_device as _to_device
+    from eagle3_assets.training.data import make_loader as _loader
+    from eagle3_assets.training.data import to_device as _to_device
     from eagle3_assets.training.model import build_draft, trainer_kwargs
     from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 

@@ -44,6 +44,14 @@ class TrainConfig:
     # training processes (torchrun ranks, DDP; gloo on CPU). tokens_per_batch stays the GLOBAL batch: each rank packs
     # tokens_per_batch // procs, so N processes take the same optimizer steps as one.
     procs: int = 1
+    # Where the hidden states come from (training/online.py): "stored" partition files, "online" (fetched from the
+    # extraction side while training, nothing stored) or "hybrid" (stored files where present, the rest fetched).
+    hidden_states_source: str = "stored"
+    online_backend: str = "hf"  # "hf" (the verifier in the loader's worker) or "vllm" (extraction servers)
+    online_urls: tuple[str, ...] = ()  # vllm: the extraction servers; empty: an embedded CPU vLLM for the run
+    online_storage: str | None = None  # vllm with URLs: this machine's mount of the servers' connector folder
+    online_workers: int = 1  # loader processes fetching batches (0: in the training process, no overlap)
+    prefetch_batches: int = 2  # ready batches each worker may hold: the bound on states in memory and on disk
 
     def validate(self) -> None:
         positive = ("epochs", "tokens_per_batch", "ttt_steps", "num_layers", "keep_checkpoints", "procs")
@@ -65,13 +73,25 @@ class TrainConfig:
             raise ConfigError(f"save_dtype={self.save_dtype!r}: must be float32 or bfloat16")
         if self.max_val_batches is not None and self.max_val_batches <= 0:
             raise ConfigError(f"max_val_batches={self.max_val_batches!r}: must be positive or None")
+        if self.hidden_states_source not in {"stored", "online", "hybrid"}:
+            raise ConfigError(f"hidden_states_source={self.hidden_states_source!r}: must be stored, online or hybrid")
+        if self.online_backend not in {"hf", "vllm"}:
+            raise ConfigError(f"online_backend={self.online_backend!r}: must be hf or vllm")
+        if self.online_workers < 0 or self.prefetch_batches <= 0:
+            raise ConfigError(
+                f"online_workers={self.online_workers!r}, prefetch_batches={self.prefetch_batches!r}: workers must be "
+                ">= 0 and prefetch_batches > 0"
+            )
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch <= 0:
             raise ConfigError(f"max_steps_per_epoch={self.max_steps_per_epoch!r}: must be positive or None")
 
     def fingerprint_fields(self) -> dict[str, Any]:
         # epochs may grow between runs (train longer = resume); checkpoint bookkeeping never matters
         # procs: a checkpoint holds the whole (replicated) state, so a run may resume with another process count
+        # where the states come from: the same states (a stored or an online run resumes the other's checkpoint)
         ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches", "procs"}
+        ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
+        ignored |= {"prefetch_batches"}
         return {k: v for k, v in asdict(self).items() if k not in ignored}
 
 
@@ -101,6 +121,9 @@ class TrainResult:
     val_partition: str
     notes: list[str] = field(default_factory=list)
     ranks: int = 1  # training processes of this call
+    # where this call's states came from, and its time split: {"source", "fetch_s" (computing states, summed over
+    # the loader's workers), "wait_s" (training waiting for a batch), "train_s" (the rest of the steps' time)}
+    hidden_states: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (paths as strings): how a torchrun worker hands its result to the launcher."""

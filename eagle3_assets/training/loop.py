@@ -32,7 +32,16 @@ from eagle3_assets.precision import resolve_precision
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
+from eagle3_assets.training.data import make_loader, partition_meta, to_device
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
+from eagle3_assets.training.online import (
+    ONLINE_TIME_KEY,
+    ONLINE_TRANSFER_DIR,
+    OnlineExtraction,
+    online_extraction,
+    serving,
+)
+from eagle3_assets.training.ranks import Ranks
 
 if TYPE_CHECKING:
     import torch
@@ -40,101 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EpochCallback = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the training job (rank 0 of 1 without torch.distributed)."""
-
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def current(cls) -> Ranks:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def all_reduce(self, value: float, op: str = "sum") -> float:
-        """``value`` summed (or min-ed) over the ranks; itself in a single process."""
-        if self.world == 1:
-            return value
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MIN)
-        return float(tensor.item())
-
-
-def partition_meta(layout: DataLayout, keys: Sequence[str]) -> dict[str, Any]:
-    """The partitions' shared extraction metadata; an error names the two that disagree."""
-    from eagle3_assets.hidden_states.extract import read_meta
-
-    metas = {}
-    for key in keys:
-        if not layout.hidden_states_index_path(key).exists():
-            index = layout.hidden_states_index_path(key)
-            raise FileNotFoundError(f"hidden_states partition {key} is not complete (no {index})")
-        metas[key] = read_meta(layout, key)
-    first_key, first = next(iter(metas.items()))
-    for key, meta in metas.items():
-        for name in ("layer_ids", "hidden_size", "vocab_size"):
-            if meta[name] != first[name]:
-                raise ValueError(
-                    f"hidden_states partitions disagree on {name}: {first_key} has {first[name]}, "
-                    f"{key} has {meta[name]} (re-extract them with the same verifier and layer_ids)"
-                )
-    return first
-
-
-def make_loader(
-    dirs: Sequence[Path], tokens: int, hidden_size: int, n_aux: int, dtype: Any, seed: int, ranks: Ranks = Ranks()
-) -> Any:
-    """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share)."""
-    from torch.utils.data import ConcatDataset, DataLoader
-
-    from eagle3_assets.hidden_states.checks import META_FILE
-    from eagle3_assets.hidden_states.samples import HS_SUBDIR
-    from eagle3_assets.hidden_states.storage_format import training_transfer
-    from eagle3_assets.speculators_adapter import offline_data
-    from eagle3_assets.storage import read_json
-
-    sp = offline_data()
-    datasets = []
-    for d in dirs:  # each partition in its own storage dtype: FP8 ones are read through hs_connectors' FP8Transfer
-        storage = read_json(d / META_FILE)["dtype"]
-        transfer = training_transfer(d / HS_SUBDIR, storage, dtype)
-        datasets.append(
-            sp.ArrowDataset(
-                max_len=tokens, datapath=str(d), transfer=transfer, on_missing="raise", hidden_states_dtype=dtype
-            )
-        )
-    lengths = [n for ds in datasets for n in ds.approx_lengths]
-    sampler = sp.MultipackDistributedBatchSamplerV2(
-        batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
-    )
-    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=sp.shift_batch)
-    return DataLoader(ConcatDataset(datasets), batch_sampler=sampler, num_workers=0, collate_fn=collate)
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    import torch
-
-    # collate adds bookkeeping (error_records, recovery metadata) that the model's **kwargs must not receive
-    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
 def train_step(
@@ -245,6 +159,7 @@ def _prepare(
     config: TrainConfig,
     ranks: Ranks,
     say: Callable[[str], None],
+    online: OnlineExtraction | None = None,
 ) -> _Run:
     """The draft (seeded, DDP-wrapped with several ranks), loaders, optimizers, schedulers and the fingerprint."""
     import torch
@@ -275,8 +190,9 @@ def _prepare(
         model = torch.nn.parallel.DistributedDataParallel(core, device_ids=[device.index] if on_gpu else None)
     per_rank = config.tokens_per_batch // ranks.world
     loader_args = (per_rank, hidden_size, len(layer_ids), hs_dtype, config.seed)
-    train_loader = make_loader([layout.hidden_states_dir(k) for k in train_keys], *loader_args, ranks=ranks)
-    val_loader = make_loader([layout.hidden_states_dir(val_key)], config.tokens_per_batch, *loader_args[1:])
+    sources = {"online": online, "config": config}
+    train_loader = make_loader([layout.hidden_states_dir(k) for k in train_keys], *loader_args, ranks=ranks, **sources)
+    val_loader = make_loader([layout.hidden_states_dir(val_key)], config.tokens_per_batch, *loader_args[1:], **sources)
     steps = len(train_loader)
     if config.max_steps_per_epoch is not None:
         steps = min(steps, config.max_steps_per_epoch)
@@ -337,6 +253,8 @@ class _Timing:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     steps: int = 0
+    wait_s: float = 0.0  # waiting for the loader's next batch
+    fetch_s: float = 0.0  # online: computing the batches' states (in the loader's workers)
 
 
 def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
@@ -348,6 +266,8 @@ def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
     for step_in_epoch, batch in enumerate(run.train_loader):
         if step_in_epoch >= run.steps_per_epoch:
             break
+        timing.wait_s += time.perf_counter() - t_prev
+        timing.fetch_s += float(batch.get(ONLINE_TIME_KEY, 0.0))
         loss, _metrics = train_step(
             run.model, to_device(batch, run.device), run.optimizers, run.schedulers, run.call_kwargs, run.autocast
         )
@@ -437,8 +357,13 @@ def train_draft(
     out_dir = layout.draft_model_dir
     ckpt_dir, final_dir = out_dir / ckpt.CHECKPOINT_DIR, out_dir / ckpt.FINAL_DIR
 
-    with _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)), torch_threads(config.num_threads):
-        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say)
+    online = online_extraction(config, verifier_path, meta)
+    with (
+        _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)),
+        torch_threads(config.num_threads),
+        serving(online, out_dir / ONLINE_TRANSFER_DIR) as online,
+    ):
+        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say, online)
         resumed_from = _resume_or_baseline(run, ckpt_dir)
         start_epoch = 0 if resumed_from is None else resumed_from + 1
         timing = _Timing()
@@ -492,4 +417,8 @@ def _result(
         val_partition=val_key,
         notes=run.notes,
         ranks=run.ranks.world,
-    )
+        hidden_states={
+            "source": run.config.hidden_states_source, "fetch_s": round(timing.fetch_s, 2),
+            "wait_s": round(timing.wait_s, 2), "train_s": round(timing.seconds - timing.wait_s, 2),
+        },
+    )  # fmt: skip

@@ -95,7 +95,7 @@ def test_training_loader_dequantizes_fp8_to_the_bf16_partitions_states(partition
     FP8 rounding (read raw, the values would be off by each row's scale)."""
     import torch
 
-    from eagle3_assets.training.loop import make_loader
+    from eagle3_assets.training.data import make_loader
 
     batches = {}
     for dtype, layout in partitions.items():

@@ -1,0 +1,102 @@
+"""What a training step reads: the partitions' shared metadata, the packed loaders over them (stored states through
+speculators' ``ArrowDataset``; online ones through ``training/online.py``) and a batch moved to the device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle3_assets.storage import DataLayout
+from eagle3_assets.training.config import TrainConfig
+from eagle3_assets.training.online import OnlineExtraction, online_loader
+from eagle3_assets.training.ranks import Ranks
+
+if TYPE_CHECKING:
+    import torch
+
+SINGLE_PROCESS = Ranks()
+
+
+def partition_meta(layout: DataLayout, keys: Sequence[str]) -> dict[str, Any]:
+    """The partitions' shared extraction metadata; an error names the two that disagree."""
+    from eagle3_assets.hidden_states.extract import read_meta
+
+    metas = {}
+    for key in keys:
+        if not layout.hidden_states_index_path(key).exists():
+            index = layout.hidden_states_index_path(key)
+            raise FileNotFoundError(f"hidden_states partition {key} is not complete (no {index})")
+        metas[key] = read_meta(layout, key)
+    first_key, first = next(iter(metas.items()))
+    for key, meta in metas.items():
+        for name in ("layer_ids", "hidden_size", "vocab_size"):
+            if meta[name] != first[name]:
+                raise ValueError(
+                    f"hidden_states partitions disagree on {name}: {first_key} has {first[name]}, "
+                    f"{key} has {meta[name]} (re-extract them with the same verifier and layer_ids)"
+                )
+    return first
+
+
+def _require_state_files(data_dir: Path, samples: int) -> None:
+    """Stored training needs every sample's file: say which partition lacks how many, and the two ways on."""
+    from eagle3_assets.hidden_states.samples import hs_file
+
+    missing = [row for row in range(samples) if not hs_file(data_dir, row).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"hidden_states {data_dir}: {len(missing)} of {samples} state files are missing (first: "
+            f"{hs_file(data_dir, missing[0]).name}); re-materialize that hidden_states partition, or train with "
+            "hidden_states_source='online' (every state fetched while training) or 'hybrid' (the missing ones)"
+        )
+
+
+def make_loader(
+    dirs: Sequence[Path],
+    tokens: int,
+    hidden_size: int,
+    n_aux: int,
+    dtype: Any,
+    seed: int,
+    ranks: Ranks = SINGLE_PROCESS,
+    online: OnlineExtraction | None = None,
+    config: TrainConfig | None = None,
+) -> Any:
+    """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share);
+    with ``online`` (training/online.py) each batch's states are fetched by the loader's workers instead."""
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from eagle3_assets.hidden_states.checks import META_FILE
+    from eagle3_assets.hidden_states.samples import HS_SUBDIR
+    from eagle3_assets.hidden_states.storage_format import training_transfer
+    from eagle3_assets.speculators_adapter import offline_data
+    from eagle3_assets.storage import read_json
+
+    sp = offline_data()
+    if online is not None and online.source != "stored":
+        return online_loader(dirs, tokens, hidden_size, n_aux, dtype, seed, ranks, online, config or TrainConfig())
+    datasets = []
+    for d in dirs:  # each partition in its own storage dtype: FP8 ones are read through hs_connectors' FP8Transfer
+        meta = read_json(d / META_FILE)
+        _require_state_files(d, int(meta.get("samples", 0)))  # partitions of older releases: not counted
+        storage = meta["dtype"]
+        transfer = training_transfer(d / HS_SUBDIR, storage, dtype)
+        datasets.append(
+            sp.ArrowDataset(
+                max_len=tokens, datapath=str(d), transfer=transfer, on_missing="raise", hidden_states_dtype=dtype
+            )
+        )
+    lengths = [n for ds in datasets for n in ds.approx_lengths]
+    sampler = sp.MultipackDistributedBatchSamplerV2(
+        batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
+    )
+    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=sp.shift_batch)
+    return DataLoader(ConcatDataset(datasets), batch_sampler=sampler, num_workers=0, collate_fn=collate)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    import torch
+
+    # collate adds bookkeeping (error_records, recovery metadata) that the model's **kwargs must not receive
+    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,89 @@
+"""Online training (``hidden_states_source``): a draft trains from partitions whose state files are gone, its
+batches' states computed by the ``hf`` backend in a loader worker process; hybrid mode reads the files that exist;
+the batches equal the stored ones within bf16 storage rounding; the run reports its time split."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+from eagle3_assets.storage import DataLayout
+from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
+from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+KEYS = ["00000", "00001"]
+LAYERS = [1, 2, 3]
+BASE = TrainConfig(epochs=2, tokens_per_batch=768, lr=3e-3, warmup_ratio=0.0, max_val_batches=2, precision="float32")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> DataLayout:
+    layout = DataLayout.at(tmp_path_factory.mktemp("online") / "data")
+    for key in KEYS:
+        fabricate_responses(layout, key, 24, min_words=20, max_words=40)
+        extract_partition(
+            layout, key, cached_tiny_verifier(), HiddenStatesConfig(layer_ids=LAYERS, precision="float32")
+        )
+    build_vocab_mapping(layout, KEYS[:1], draft_vocab_size=256, target_vocab_size=1024)
+    return layout
+
+
+def _copy(src: DataLayout, dst: Path, keep_files: int | None) -> DataLayout:
+    """hidden states + vocab mapping; of each partition's state files keep the first ``keep_files`` (None: all)."""
+    for asset in ("hidden_states", "vocab_mapping"):
+        shutil.copytree(src.asset_dir(asset), dst / asset, ignore=shutil.ignore_patterns("_locks"))
+    layout = DataLayout.at(dst)
+    if keep_files is not None:
+        for key in KEYS:
+            for path in (layout.hidden_states_dir(key) / "hidden_states").glob("hs_*.safetensors"):
+                if int(path.stem.split("_")[1]) >= keep_files:
+                    path.unlink()
+    return layout
+
+
+def _state_files(layout: DataLayout) -> int:
+    return sum(1 for _ in layout.root.rglob("hs_*.safetensors"))
+
+
+def test_online_batches_equal_the_stored_ones_within_storage_rounding(stored: DataLayout, tmp_path: Path) -> None:
+    import torch
+
+    from eagle3_assets.training.data import make_loader
+    from eagle3_assets.training.online import OnlineExtraction
+
+    online = OnlineExtraction("online", "hf", str(cached_tiny_verifier()), tuple(LAYERS), device="cpu",
+                              precision="float32")  # fmt: skip
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    args = ([layout.hidden_states_dir(KEYS[0])], 512, 64, len(LAYERS), torch.float32, 0)
+    in_process = TrainConfig(online_workers=0)
+    got = next(iter(make_loader(*args, online=online, config=in_process)))
+    ref = next(iter(make_loader([stored.hidden_states_dir(KEYS[0])], *args[1:])))
+    assert torch.equal(got["input_ids"], ref["input_ids"]) and got["online_extract_s"] > 0
+    for name in ("hidden_states", "verifier_last_hidden_states"):
+        scale = float(ref[name].abs().max())
+        assert float((got[name] - ref[name]).abs().max()) <= scale / 64, name  # bf16 keeps 8 bits
+
+
+@pytest.mark.parametrize(("source", "keep_files"), [("online", 0), ("hybrid", 10)])
+def test_a_draft_trains_without_stored_states(stored: DataLayout, tmp_path: Path, source: str, keep_files: int) -> None:
+    import json
+
+    layout = _copy(stored, tmp_path / "data", keep_files=keep_files)
+    before = _state_files(layout)
+    config = TrainConfig(**{**BASE.__dict__, "hidden_states_source": source, "online_workers": 1})
+    result = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
+    assert result.val_loss[-1] < result.val_loss_untrained, (result.val_loss, result.val_loss_untrained)
+    assert _state_files(layout) == before  # nothing written: the states lived in memory only
+    split = result.hidden_states
+    assert split["source"] == source and split["fetch_s"] > 0 and split["train_s"] > 0, split
+    history = json.loads((layout.draft_model_dir / "training_history.json").read_text())
+    assert history["config"]["hidden_states_source"] == source
+
+
+def test_stored_mode_names_the_missing_file_and_the_online_setting(stored: DataLayout, tmp_path: Path) -> None:
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    with pytest.raises(Exception, match="hidden_states_source"):
+        train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), BASE)
