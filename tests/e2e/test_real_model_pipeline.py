@@ -21,8 +21,8 @@ from support.reliability import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-KEY = "00000"
-PROMPTS = 8
+KEY, VAL_KEY = "00000", "00001"
+PROMPTS = 8  # per partition
 RELATIVE_TOLERANCE = 1e-3
 
 
@@ -44,8 +44,8 @@ def _generate(layout: DataLayout, verifier: Path, log_dir: Path) -> None:
     from eagle3_assets.prompts import load_prompts
 
     loaded = load_prompts("package:sharegpt", max_prompt_chars=2000, truncated="keep-complete", turns_kept="first",
-                          limit=40)  # fmt: skip
-    chats = [[{"role": role, "content": text} for role, text in p.messages] for p in loaded.prompts[:PROMPTS]]
+                          limit=60)  # fmt: skip
+    chats = [[{"role": role, "content": text} for role, text in p.messages] for p in loaded.prompts[: 2 * PROMPTS]]
     prompts = [PromptToGenerate(p.sample_id, chat) for p, chat in zip(loaded.prompts, chats, strict=False)]
     server = LocalVLLMServer(
         model=verifier, served_model_name="smollm2", reasoning_parser=None, max_model_len=2048, kv_cache_gib=1,
@@ -53,8 +53,9 @@ def _generate(layout: DataLayout, verifier: Path, log_dir: Path) -> None:
     )  # fmt: skip
     with server:
         config = GenerationConfig(base_urls=(server.base_url,), max_tokens=48, temperature=0.0, concurrency=8)
-        result = generate_partition(prompts, KEY, layout, config, log=lambda _m: None)
-    assert result.ok == PROMPTS and result.failed == 0, result
+        for key, part in ((KEY, prompts[:PROMPTS]), (VAL_KEY, prompts[PROMPTS:])):
+            result = generate_partition(part, key, layout, config, log=lambda _m: None)
+            assert result.ok == PROMPTS and result.failed == 0, result
 
 
 def test_real_model_through_generation_both_hidden_state_backends_and_training(verifier: Path, tmp_path: Path) -> None:
@@ -95,8 +96,9 @@ def test_real_model_through_generation_both_hidden_state_backends_and_training(v
     print(f"max |vllm - hf| / max |hf| per layer over {PROMPTS} samples: {worst:.2e}")
     assert check_token_ids(vllm_layout, KEY).passed
 
+    extract_partition(hf_layout, VAL_KEY, verifier, HiddenStatesConfig(dtype="float32", precision="float32"))
     build_vocab_mapping(hf_layout, [KEY], draft_vocab_size=2048, target_vocab_size=49152)
     config = TrainConfig(epochs=1, tokens_per_batch=1024, lr=3e-3, warmup_ratio=0.0, max_val_batches=2)
-    result = train_draft(hf_layout, [KEY], KEY, verifier, config, log=lambda _m: None)
+    result = train_draft(hf_layout, [KEY], VAL_KEY, verifier, config, log=lambda _m: None)
     assert result.steps > 0 and all(v == v for v in result.val_loss)
     assert (result.final_dir / "config.json").exists() and (result.final_dir / "model.safetensors").exists()
