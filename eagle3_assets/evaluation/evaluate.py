@@ -36,6 +36,7 @@ class EvaluationOptions:
     # the untrained baseline's init (TrainConfig.init); None: the one recorded in the draft's training history
     untrained_init: str | None = None
     tolerance: float = DEFAULT_TOLERANCE
+    device: str = "auto"  # where the offline simulation runs the drafts (EAGLE3_DEVICE, as training)
     online_config: OnlineConfig = field(default_factory=OnlineConfig)
 
 
@@ -65,32 +66,42 @@ def _online(
     layout: DataLayout,
     partition: str | None,
     draft_dir: Path,
-    untrained_dir: Path,
+    untrained_dir: Path | None,
     verifier_path: Path,
     options: EvaluationOptions,
     say: Callable[[str], None],
-) -> tuple[list[AcceptanceStats], OnlineRun]:
-    """The drafts in vLLM on the held-out partition's prompts."""
-    from eagle3_assets.evaluation.online import evaluate_online, held_out_prompts
+) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
+    """The drafts in vLLM on every named prompt set (``untrained_dir`` None: no untrained baseline online)."""
+    from eagle3_assets.evaluation.online import evaluate_online
+    from eagle3_assets.evaluation.prompt_sets import load_prompt_set
 
-    if partition is None:
-        raise ValueError("online evaluation needs a held-out partition: pass one (no hidden_states partitions)")
     cfg = options.online_config
     cfg.k = options.k
-    prompts = held_out_prompts(layout, partition, cfg.prompts)
+    prompt_sets = {
+        name: load_prompt_set(name, layout, partition, cfg.prompts, cfg.humaneval_prompts) for name in cfg.prompt_sets
+    }
     drafts = {"trained": draft_dir}
-    if options.untrained:
+    if untrained_dir is not None:
         drafts["untrained"] = untrained_dir
-    result = evaluate_online(verifier_path, drafts, prompts, cfg, say)
-    run = OnlineRun(
-        prompts=len(prompts),
-        max_tokens=cfg.max_tokens,
-        baseline_output_tokens=result.baseline.output_tokens,
-        baseline_seconds=result.baseline.seconds,
-        mismatches=result.mismatches,
-        server_startup_s=result.startup_s,
-    )
-    return result.stats, run
+    result = evaluate_online(verifier_path, drafts, prompt_sets, cfg, say)
+    runs = []
+    for name, prompts in prompt_sets.items():
+        base = result.baseline[name]
+        timed = base.speed if base.speed is not None else None
+        runs.append(
+            OnlineRun(
+                prompts=len(prompts),
+                max_tokens=cfg.max_tokens,
+                baseline_output_tokens=timed.output_tokens if timed is not None else 0,
+                baseline_seconds=timed.seconds if timed is not None else 0.0,
+                mismatches=result.mismatches[name],
+                server_startup_s=result.startup_s,
+                prompt_set=name,
+                concurrency=cfg.concurrency,
+                speed_prompts=len(timed.generations) if timed is not None else 0,
+            )
+        )
+    return result.stats, runs
 
 
 def run_evaluation(
@@ -123,7 +134,7 @@ def run_evaluation(
         init = options.untrained_init or training_init(draft_dir)
         models["untrained"] = build_untrained_like(trained, options.untrained_seed, init)
         notes.append(f"untrained baseline: the same shape, init {init or 'default'!r}, seed {options.untrained_seed}")
-        if options.online:
+        if options.online and not options.online_config.draft_url:
             save_untrained_draft(trained, untrained_dir, options.untrained_seed, init)
 
     stats = []
@@ -132,14 +143,35 @@ def run_evaluation(
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
             stats += evaluate_offline(
-                models, layout, partition, options.k, verifier_path, options.offline_max_samples, say
+                models,
+                layout,
+                partition,
+                options.k,
+                verifier_path,
+                options.offline_max_samples,
+                say,
+                device=options.device,
             )
-    online_run = None
+    online_runs: list[OnlineRun] = []
     if options.online:
-        online_stats, online_run = _online(layout, partition, draft_dir, untrained_dir, verifier_path, options, say)
+        # a draft server given by URL is a deployment: nothing is started for the untrained baseline beside it
+        untrained_online = options.untrained and not options.online_config.draft_url
+        if options.untrained and not untrained_online:
+            notes.append(
+                "untrained baseline: offline only (the trained draft's server is given by URL, EAGLE3_EVAL_DRAFT_URL; "
+                "no server is started for the baseline)"
+            )
+        online_stats, online_runs = _online(
+            layout, partition, draft_dir, untrained_dir if untrained_online else None, verifier_path, options, say
+        )
         stats += online_stats
     order = {"offline": 1, "online": 0}
-    stats.sort(key=lambda s: (s.label != "trained", order.get(s.method, 2)))
+    sets = list(options.online_config.prompt_sets)
+
+    def rank(s: AcceptanceStats) -> tuple[int, bool, int]:  # prompt set, trained first, online before offline
+        return (sets.index(s.prompt_set) if s.prompt_set in sets else len(sets), s.label != "trained", order[s.method])
+
+    stats.sort(key=rank)
     for s in stats:
         if s.method == "offline" and "coverage" in s.extra:
             notes.append(
@@ -154,7 +186,7 @@ def run_evaluation(
         k=options.k,
         held_out_partition=partition,
         stats=stats,
-        online=online_run,
+        online=online_runs or None,
         tolerance=options.tolerance,
         notes=notes,
     )
