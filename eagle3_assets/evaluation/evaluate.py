@@ -66,42 +66,66 @@ def _online(
     layout: DataLayout,
     partition: str | None,
     draft_dir: Path,
-    untrained_dir: Path | None,
+    untrained_dir: Path,
     verifier_path: Path,
     options: EvaluationOptions,
     say: Callable[[str], None],
+    notes: list[str],
 ) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
-    """The drafts in vLLM on every named prompt set (``untrained_dir`` None: no untrained baseline online)."""
+    """The drafts in vLLM on every named prompt set."""
     from eagle3_assets.evaluation.online import evaluate_online
-    from eagle3_assets.evaluation.prompt_sets import load_prompt_set
+    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, load_prompt_set
 
     cfg = options.online_config
     cfg.k = options.k
-    prompt_sets = {
-        name: load_prompt_set(name, layout, partition, cfg.prompts, cfg.humaneval_prompts) for name in cfg.prompt_sets
-    }
+    names = list(cfg.prompt_sets)
+    if partition is None and HELD_OUT in names and len(names) > 1:
+        names.remove(HELD_OUT)
+        notes.append(f"online {HELD_OUT} skipped: no hidden_states partition to hold out")
+    prompt_sets = {name: load_prompt_set(name, layout, partition, cfg.prompts, cfg.humaneval_prompts) for name in names}
     drafts = {"trained": draft_dir}
-    if untrained_dir is not None:
+    if options.untrained and cfg.draft_url:
+        # a draft server given by URL is a deployment: nothing is started for the untrained baseline beside it
+        notes.append("untrained baseline: offline only (the trained draft's server is given by EAGLE3_EVAL_DRAFT_URL)")
+    elif options.untrained:
         drafts["untrained"] = untrained_dir
     result = evaluate_online(verifier_path, drafts, prompt_sets, cfg, say)
     runs = []
     for name, prompts in prompt_sets.items():
-        base = result.baseline[name]
-        timed = base.speed if base.speed is not None else None
+        speed = result.baseline[name].speed
         runs.append(
             OnlineRun(
                 prompts=len(prompts),
                 max_tokens=cfg.max_tokens,
-                baseline_output_tokens=timed.output_tokens if timed is not None else 0,
-                baseline_seconds=timed.seconds if timed is not None else 0.0,
+                baseline_output_tokens=speed.output_tokens if speed is not None else 0,
+                baseline_seconds=speed.seconds if speed is not None else 0.0,
                 mismatches=result.mismatches[name],
                 server_startup_s=result.startup_s,
                 prompt_set=name,
                 concurrency=cfg.concurrency,
-                speed_prompts=len(timed.generations) if timed is not None else 0,
+                speed_prompts=len(speed.generations) if speed is not None else 0,
             )
         )
     return result.stats, runs
+
+
+def _ordered(stats: list[AcceptanceStats], sets: list[str], notes: list[str]) -> list[AcceptanceStats]:
+    """By prompt set, the trained draft first, online before offline; the offline coverage note added."""
+    order = {"online": 0, "offline": 1}
+
+    def rank(s: AcceptanceStats) -> tuple[int, bool, int]:
+        return (sets.index(s.prompt_set) if s.prompt_set in sets else len(sets), s.label != "trained", order[s.method])
+
+    stats = sorted(stats, key=rank)
+    for s in stats:
+        if s.method == "offline" and "coverage" in s.extra:
+            notes.append(
+                f"offline ({s.label}): {s.extra['samples']} stored samples, {s.extra['coverage']:.1%} of assistant "
+                f"anchors greedy-consistent; every-position mean acceptance length "
+                f"{s.extra['every_position_mean_acceptance_length']:.3f}"
+            )
+            break
+    return stats
 
 
 def run_evaluation(
@@ -142,44 +166,15 @@ def run_evaluation(
         if partition is None or not layout.hidden_states_index_path(partition).exists():
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
-            stats += evaluate_offline(
-                models,
-                layout,
-                partition,
-                options.k,
-                verifier_path,
-                options.offline_max_samples,
-                say,
-                device=options.device,
-            )
+            args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
+            stats += evaluate_offline(models, *args, device=options.device)
     online_runs: list[OnlineRun] = []
     if options.online:
-        # a draft server given by URL is a deployment: nothing is started for the untrained baseline beside it
-        untrained_online = options.untrained and not options.online_config.draft_url
-        if options.untrained and not untrained_online:
-            notes.append(
-                "untrained baseline: offline only (the trained draft's server is given by URL, EAGLE3_EVAL_DRAFT_URL; "
-                "no server is started for the baseline)"
-            )
         online_stats, online_runs = _online(
-            layout, partition, draft_dir, untrained_dir if untrained_online else None, verifier_path, options, say
+            layout, partition, draft_dir, untrained_dir, verifier_path, options, say, notes
         )
         stats += online_stats
-    order = {"offline": 1, "online": 0}
-    sets = list(options.online_config.prompt_sets)
-
-    def rank(s: AcceptanceStats) -> tuple[int, bool, int]:  # prompt set, trained first, online before offline
-        return (sets.index(s.prompt_set) if s.prompt_set in sets else len(sets), s.label != "trained", order[s.method])
-
-    stats.sort(key=rank)
-    for s in stats:
-        if s.method == "offline" and "coverage" in s.extra:
-            notes.append(
-                f"offline ({s.label}): {s.extra['samples']} stored samples, {s.extra['coverage']:.1%} of assistant "
-                f"anchors greedy-consistent; every-position mean acceptance length "
-                f"{s.extra['every_position_mean_acceptance_length']:.3f}"
-            )
-            break
+    stats = _ordered(stats, list(options.online_config.prompt_sets), notes)
     report = EvaluationReport(
         draft_dir=str(draft_dir),
         verifier=str(verifier_path),
