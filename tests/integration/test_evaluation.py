@@ -313,3 +313,28 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
     assert metadata["dagster/row_count"].value == 2 and "| trained | offline |" in metadata["report_markdown"].value
     assert "data:image/png;base64" in metadata["acceptance_per_position"].value
     assert (layout.evaluation_dir / "report.json").exists() and (layout.evaluation_dir / "report.md").exists()
+
+
+def test_offline_on_the_cpu_never_compiles_the_draft(
+    stored: tuple[DataLayout, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CUDA machine speculators compiles ``Eagle3DraftModel.forward`` at import (``conditional_torch_compile``);
+    the offline simulation on the CPU then ran it through the CPU inductor, whose C++ build failed. Here the forward
+    is compiled the same way with a backend that fails like that build: the CPU path must never reach it."""
+    import torch
+
+    from eagle3_assets.evaluation import offline
+    from eagle3_assets.speculators_adapter import eagle3_classes
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
+
+    def failing_backend(graph: object, example_inputs: object) -> object:
+        raise RuntimeError("CppCompileError: C++ compile error (injected: the CPU inductor build)")
+
+    cls = eagle3_classes().Eagle3DraftModel
+    monkeypatch.setattr(cls, "forward", torch.compile(cls.forward, backend=failing_backend))
+    layout, verifier = stored
+    torch.manual_seed(4)
+    draft = build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None).eval()
+    stats = offline.evaluate_offline({"trained": draft}, layout, "00000", k=K, verifier=verifier, max_samples=2)
+    assert stats[0].extra["samples"] == 2  # the draft ran on every sample; EAGLE3_DEVICE's default, auto: the CPU here
