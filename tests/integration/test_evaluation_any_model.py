@@ -182,3 +182,37 @@ def test_servers_given_by_url_start_nothing(stand_in: Path, no_think_model: tupl
     assert {(s.label, s.method) for s in report.stats} == {("trained", "online")}
     assert any("untrained baseline: offline only" in note for note in report.notes)
     assert not (tmp_path / "logs").exists()
+
+
+def test_the_asset_and_the_cli_pass_the_settings_through(
+    stand_in: Path, no_think_model: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
+    from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
+    from eagle3_assets.evaluation.cli import main
+
+    layout = DataLayout.at(tmp_path / "data")
+    run_config = DraftEvaluationRunConfig(humaneval_prompts=5, speed_prompts=2, concurrency=16)
+    servers = EvaluationServersResource(prompt_sets="humaneval")
+    verifier = VerifierResource(reasoning_parser="none", device="cpu")
+    options = evaluation_options(run_config, servers, layout, verifier)
+    online = options.online_config
+    assert (online.prompt_sets, online.humaneval_prompts, online.speed_prompts, online.concurrency) == (
+        ("humaneval",),
+        5,
+        2,
+        16,
+    )
+    assert online.reasoning_parser == "none" and options.device == "cpu"
+
+    verifier_dir, draft = no_think_model
+    argv = ["--draft", str(draft), "--verifier", str(verifier_dir), "--data-dir", str(layout.root), "--online-only"]
+    argv += ["--prompt-sets", "humaneval", "--humaneval-prompts", "2", "--speed-prompts", "1", "--no-untrained"]
+    argv += ["--vllm-python", sys.executable, "--out", str(tmp_path / "report")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| humaneval | none (plain verifier) | online |" in printed and "| humaneval | trained | online |" in printed
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["online"]["humaneval"]["prompts"] == 2 and data["online"]["humaneval"]["speed_prompts"] == 1
+    assert main([*argv[:6], "--prompt-sets", "mmlu"]) == 2
+    assert "unknown prompt set 'mmlu'" in capsys.readouterr().err
