@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         partition=args.partition,
         offline_max_samples=args.max_samples or None,
         tolerance=tolerance,
-        online_config=OnlineConfig(prompts=args.prompts, max_tokens=args.max_tokens),
+        # online vs offline on the same kind of prompts: the held-out partition's (offline simulates its samples)
+        online_config=OnlineConfig(prompts=args.prompts, max_tokens=args.max_tokens, prompt_sets=("held-out",)),
     )
     # the benchmark never overwrites the asset's report unless asked to
     report = run_evaluation(layout, draft, args.verifier, options, log=print, write=False)

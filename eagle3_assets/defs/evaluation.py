@@ -10,6 +10,7 @@ from eagle3_assets.defs.resources import (
     SettingsConfig,
     VerifierResource,
 )
+from eagle3_assets.evaluation.prompt_sets import HELD_OUT
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
@@ -24,10 +25,20 @@ class DraftEvaluationRunConfig(SettingsConfig):
     k: int = setting(3, description="num_speculative_tokens.", gt=0)
     online: bool = setting(True, description="Serve the verifier with the drafts in vLLM; false: offline only.")
     offline: bool = setting(True, description="Simulate acceptance offline from the stored hidden states.")
-    prompts: int = setting(32, description="Held-out prompts sent online.", gt=0)
+    prompts: int = setting(32, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0)
+    humaneval_prompts: int = setting(
+        0, description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.", ge=0
+    )
     max_tokens: int = setting(128, description="max_tokens per online request.", gt=0)
     concurrency: int = setting(
-        1, description="Requests in flight per server (1: latency-bound decoding, where drafts pay off).", gt=0
+        64,
+        description="Requests in flight per server for each prompt set's acceptance (which does not depend on it).",
+        gt=0,
+    )
+    speed_prompts: int = setting(
+        8,
+        description="Tokens/s with and without the draft on each prompt set's first N prompts, one at a time; 0: none.",
+        ge=0,
     )
     partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
     # ~0.3-1 s per sample and draft on 2 busy cores
@@ -38,12 +49,17 @@ class DraftEvaluationRunConfig(SettingsConfig):
 
 
 def evaluation_options(
-    config: DraftEvaluationRunConfig, servers: EvaluationServersResource, layout: "DataLayout"
+    config: DraftEvaluationRunConfig,
+    servers: EvaluationServersResource,
+    layout: "DataLayout",
+    verifier: VerifierResource | None = None,
 ) -> "EvaluationOptions":
-    """The core's EvaluationOptions from the asset's run config and the evaluation servers resource."""
+    """The core's EvaluationOptions from the asset's run config, the evaluation servers and the verifier resource
+    (its reasoning parser and device; None: their defaults)."""
     from eagle3_assets.evaluation.evaluate import EvaluationOptions
     from eagle3_assets.evaluation.online import OnlineConfig
 
+    verifier = verifier or VerifierResource()
     return EvaluationOptions(
         k=config.k,
         online=config.online,
@@ -51,10 +67,15 @@ def evaluation_options(
         untrained=config.untrained_baseline,
         partition=config.partition or None,
         offline_max_samples=config.offline_max_samples,
+        device=verifier.device,
         online_config=OnlineConfig(
             prompts=config.prompts,
+            humaneval_prompts=config.humaneval_prompts,
             max_tokens=config.max_tokens,
             concurrency=config.concurrency,
+            speed_prompts=config.speed_prompts,
+            prompt_sets=tuple(servers.prompt_set_list()),
+            reasoning_parser=verifier.reasoning_parser,
             plain_url=servers.plain_url.strip().rstrip("/") or None,
             draft_url=servers.draft_url.strip().rstrip("/") or None,
             served_model_name=servers.served_model_name or None,
@@ -70,17 +91,19 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
 
     positions = [f"acc_at_{j + 1}" for j in range(report.k)]
     columns = [
+        ("prompt_set", "string", "held-out (the held-out partition) or humaneval (HumanEval's problems)"),
         ("draft", "string", "trained or untrained"),
         ("method", "string", "online (vLLM speculative decoding) or offline (simulated from hidden states)"),
         ("drafts", "int", "Proposals of k tokens measured."),
         ("mean_acceptance_length", "float", "1 + accepted tokens per draft, in [1, k+1]."),
         *[(n, "float", f"Drafts whose first {j + 1} tokens were accepted, share.") for j, n in enumerate(positions)],
-        ("tokens_per_second", "float", "Online: output tokens/s with this draft."),
+        ("tokens_per_second", "float", "Online: output tokens/s with this draft, batch 1."),
         ("speedup", "float", "Online: tokens/s over the plain verifier's."),
     ]
     records = []
     for s in report.stats:
         record = {
+            "prompt_set": s.prompt_set,
             "draft": s.label,
             "method": s.method,
             "drafts": s.drafts,
@@ -89,7 +112,7 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
             "tokens_per_second": round(s.tokens_per_second, 2) if s.tokens_per_second is not None else None,
             "speedup": None,
         }
-        if s.method == "online" and (speedup := report.speedup(s.label)) is not None:
+        if s.method == "online" and (speedup := report.speedup(s.label, s.prompt_set)) is not None:
             record["speedup"] = round(speedup, 3)
         records.append(record)
     return table(records, columns)
@@ -103,10 +126,10 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
     kinds={"vllm", "pytorch"},
     description=(
         "Acceptance of the trained EAGLE-3 draft where it runs: vLLM speculative decoding (method eagle3, k "
-        "speculative tokens) on held-out prompts at temperature 0, counted from the per-request speculative metrics "
-        "of its own requests, with "
-        "tokens/s with and without the draft and a greedy-identity check; the same figures simulated offline from "
-        "the held-out partition's stored hidden states; and both for an untrained draft of the same shape."
+        "speculative tokens) at temperature 0 on each named prompt set (EAGLE3_EVAL_PROMPT_SETS: held-out prompts, "
+        "HumanEval's 164 problems), counted from the per-request speculative metrics of its own requests, with "
+        "batch-1 tokens/s with and without the draft and a greedy-identity check; the same figures simulated offline "
+        "from the held-out partition's stored hidden states; and both for an untrained draft of the same shape."
     ),
 )
 def draft_evaluation(
@@ -121,7 +144,7 @@ def draft_evaluation(
 
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
-    options = evaluation_options(config, evaluation_servers, layout)
+    options = evaluation_options(config, evaluation_servers, layout, verifier)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
     metadata: dict = {
@@ -133,24 +156,29 @@ def draft_evaluation(
         "report": dg.MetadataValue.path(str(layout.evaluation_dir / "report.json")),
     }
     for s in report.stats:
-        metadata[f"{s.method}_{s.label}_mean_acceptance_length"] = dg.MetadataValue.float(
+        where = "" if s.prompt_set == HELD_OUT else f"_{s.prompt_set}"
+        metadata[f"{s.method}_{s.label}{where}_mean_acceptance_length"] = dg.MetadataValue.float(
             round(s.mean_acceptance_length, 4) if s.drafts else float("nan")
         )
-    for label in report.labels():
-        speedup = report.speedup(label)
+        speedup = report.speedup(s.label, s.prompt_set) if s.method == "online" else None
         if speedup is not None:
-            metadata[f"speedup_{label}"] = dg.MetadataValue.float(round(speedup, 3))
+            metadata[f"speedup_{s.label}{where}"] = dg.MetadataValue.float(round(speedup, 3))
+    for label in report.labels():
         diff = report.agreement(label)
         if diff is not None:
             metadata[f"online_minus_offline_{label}"] = dg.MetadataValue.float(round(diff, 4))
-    if report.online is not None:
-        metadata["baseline_tokens_per_second"] = dg.MetadataValue.float(
-            round(report.online.baseline_tokens_per_second, 2)
-        )
-        metadata["greedy_mismatches"] = dg.MetadataValue.json(report.online.mismatches)
+    for run in report.online_runs:
+        where = "" if run.prompt_set == HELD_OUT else f"_{run.prompt_set}"
+        tps = run.baseline_tokens_per_second
+        if tps == tps:
+            metadata[f"baseline_tokens_per_second{where}"] = dg.MetadataValue.float(round(tps, 2))
+    if report.online_runs:
+        mismatches = {r.prompt_set: r.mismatches for r in report.online_runs}
+        metadata["greedy_mismatches"] = dg.MetadataValue.json(mismatches)
     # a draft with no drafts measured (nothing qualified) plots as 0 rather than dropping out of the comparison
     groups = {
-        f"{s.label} ({s.method})": [r if r == r else 0.0 for r in s.acceptance_rate_per_position] for s in report.stats
+        f"{s.label} ({s.method}, {s.prompt_set})": [r if r == r else 0.0 for r in s.acceptance_rate_per_position]
+        for s in report.stats
     }
     if groups:
         metadata["acceptance_per_position"] = dg.MetadataValue.md(

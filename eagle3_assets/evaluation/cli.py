@@ -1,6 +1,7 @@
 """``eagle3 evaluate``: evaluate a draft (e.g. one trained elsewhere) online in vLLM and offline, print the table.
 
     eagle3 evaluate --draft DIR [--verifier DIR] [--data-dir DIR] [--k 3] [--prompts 32] [--offline-only]
+                    [--prompt-sets held-out,humaneval] [--humaneval-prompts N] [--speed-prompts 8]
 
 The report (report.json, report.md) goes to ``DATA_DIR/draft_evaluation/`` (or ``--out``).
 """
@@ -12,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle3 evaluate", description=__doc__.splitlines()[0])
@@ -21,8 +24,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default=None, help="held-out partition (default: the last hidden_states one)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts sent online (default 32)")
+    p.add_argument(
+        "--prompt-sets",
+        default=None,
+        help=f"prompt sets, comma-separated ({', '.join(PROMPT_SETS)}; default: EAGLE3_EVAL_PROMPT_SETS)",
+    )
+    p.add_argument("--humaneval-prompts", type=int, default=0, help="HumanEval problems sent online (0: all 164)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per online request (default 128)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight per server (default 1)")
+    p.add_argument(
+        "--concurrency", type=int, default=64, help="requests in flight per server for acceptance (default 64)"
+    )
+    p.add_argument(
+        "--speed-prompts", type=int, default=8, help="tokens/s on each set's first N prompts, batch 1 (default 8)"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="vLLM reasoning parser of the servers started: auto, none or a name (default: EAGLE3_REASONING_PARSER)",
+    )
     p.add_argument("--offline-only", action="store_true", help="no vLLM: simulate from stored hidden states only")
     p.add_argument("--online-only", action="store_true", help="skip the offline simulation")
     p.add_argument("--no-untrained", action="store_true", help="skip the untrained-draft baseline")
@@ -49,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3_assets.defs.resources import EvaluationServersResource, env_value
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets
     from eagle3_assets.evaluation.report import write_report
+    from eagle3_assets.local.reasoning import check_reasoning_parser
     from eagle3_assets.storage import DataLayout
 
     if args.offline_only and args.online_only:
@@ -58,6 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     settings.check_environ(EvaluationServersResource)  # a bad EAGLE3_EVAL_* value: the error naming it
     servers = EvaluationServersResource.from_env()
+    try:
+        prompt_sets = parse_prompt_sets("--prompt-sets", args.prompt_sets or servers.prompt_sets)
+        parser = check_reasoning_parser(
+            "--reasoning-parser", args.reasoning_parser or env_value("EAGLE3_REASONING_PARSER")
+        )
+    except ValueError as error:
+        print(f"eagle3 evaluate: {error}", file=sys.stderr)
+        return 2
     options = EvaluationOptions(
         k=args.k,
         online=not args.offline_only,
@@ -65,10 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         untrained=not args.no_untrained,
         partition=args.partition,
         offline_max_samples=args.max_samples or None,
+        device=env_value("EAGLE3_DEVICE"),
         online_config=OnlineConfig(
             prompts=args.prompts,
+            humaneval_prompts=args.humaneval_prompts,
             max_tokens=args.max_tokens,
             concurrency=args.concurrency,
+            speed_prompts=args.speed_prompts,
+            prompt_sets=tuple(prompt_sets),
+            reasoning_parser=parser,
             python=args.vllm_python,
             plain_url=args.plain_url or servers.plain_url or None,
             draft_url=args.draft_url or servers.draft_url or None,

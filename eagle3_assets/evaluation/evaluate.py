@@ -36,6 +36,7 @@ class EvaluationOptions:
     # the untrained baseline's init (TrainConfig.init); None: the one recorded in the draft's training history
     untrained_init: str | None = None
     tolerance: float = DEFAULT_TOLERANCE
+    device: str = "auto"  # where the offline simulation runs the drafts (EAGLE3_DEVICE, as training)
     online_config: OnlineConfig = field(default_factory=OnlineConfig)
 
 
@@ -69,28 +70,62 @@ def _online(
     verifier_path: Path,
     options: EvaluationOptions,
     say: Callable[[str], None],
-) -> tuple[list[AcceptanceStats], OnlineRun]:
-    """The drafts in vLLM on the held-out partition's prompts."""
-    from eagle3_assets.evaluation.online import evaluate_online, held_out_prompts
+    notes: list[str],
+) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
+    """The drafts in vLLM on every named prompt set."""
+    from eagle3_assets.evaluation.online import evaluate_online
+    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, load_prompt_set
 
-    if partition is None:
-        raise ValueError("online evaluation needs a held-out partition: pass one (no hidden_states partitions)")
     cfg = options.online_config
     cfg.k = options.k
-    prompts = held_out_prompts(layout, partition, cfg.prompts)
+    names = list(cfg.prompt_sets)
+    if partition is None and HELD_OUT in names and len(names) > 1:
+        names.remove(HELD_OUT)
+        notes.append(f"online {HELD_OUT} skipped: no hidden_states partition to hold out")
+    prompt_sets = {name: load_prompt_set(name, layout, partition, cfg.prompts, cfg.humaneval_prompts) for name in names}
     drafts = {"trained": draft_dir}
-    if options.untrained:
+    if options.untrained and cfg.draft_url:
+        # a draft server given by URL is a deployment: nothing is started for the untrained baseline beside it
+        notes.append("untrained baseline: offline only (the trained draft's server is given by EAGLE3_EVAL_DRAFT_URL)")
+    elif options.untrained:
         drafts["untrained"] = untrained_dir
-    result = evaluate_online(verifier_path, drafts, prompts, cfg, say)
-    run = OnlineRun(
-        prompts=len(prompts),
-        max_tokens=cfg.max_tokens,
-        baseline_output_tokens=result.baseline.output_tokens,
-        baseline_seconds=result.baseline.seconds,
-        mismatches=result.mismatches,
-        server_startup_s=result.startup_s,
-    )
-    return result.stats, run
+    result = evaluate_online(verifier_path, drafts, prompt_sets, cfg, say)
+    runs = []
+    for name, prompts in prompt_sets.items():
+        speed = result.baseline[name].speed
+        runs.append(
+            OnlineRun(
+                prompts=len(prompts),
+                max_tokens=cfg.max_tokens,
+                baseline_output_tokens=speed.output_tokens if speed is not None else 0,
+                baseline_seconds=speed.seconds if speed is not None else 0.0,
+                mismatches=result.mismatches[name],
+                server_startup_s=result.startup_s,
+                prompt_set=name,
+                concurrency=cfg.concurrency,
+                speed_prompts=len(speed.generations) if speed is not None else 0,
+            )
+        )
+    return result.stats, runs
+
+
+def _ordered(stats: list[AcceptanceStats], sets: list[str], notes: list[str]) -> list[AcceptanceStats]:
+    """By prompt set, the trained draft first, online before offline; the offline coverage note added."""
+    order = {"online": 0, "offline": 1}
+
+    def rank(s: AcceptanceStats) -> tuple[int, bool, int]:
+        return (sets.index(s.prompt_set) if s.prompt_set in sets else len(sets), s.label != "trained", order[s.method])
+
+    stats = sorted(stats, key=rank)
+    for s in stats:
+        if s.method == "offline" and "coverage" in s.extra:
+            notes.append(
+                f"offline ({s.label}): {s.extra['samples']} stored samples, {s.extra['coverage']:.1%} of assistant "
+                f"anchors greedy-consistent; every-position mean acceptance length "
+                f"{s.extra['every_position_mean_acceptance_length']:.3f}"
+            )
+            break
+    return stats
 
 
 def run_evaluation(
@@ -123,7 +158,7 @@ def run_evaluation(
         init = options.untrained_init or training_init(draft_dir)
         models["untrained"] = build_untrained_like(trained, options.untrained_seed, init)
         notes.append(f"untrained baseline: the same shape, init {init or 'default'!r}, seed {options.untrained_seed}")
-        if options.online:
+        if options.online and not options.online_config.draft_url:
             save_untrained_draft(trained, untrained_dir, options.untrained_seed, init)
 
     stats = []
@@ -131,30 +166,22 @@ def run_evaluation(
         if partition is None or not layout.hidden_states_index_path(partition).exists():
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
-            stats += evaluate_offline(
-                models, layout, partition, options.k, verifier_path, options.offline_max_samples, say
-            )
-    online_run = None
+            args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
+            stats += evaluate_offline(models, *args, device=options.device)
+    online_runs: list[OnlineRun] = []
     if options.online:
-        online_stats, online_run = _online(layout, partition, draft_dir, untrained_dir, verifier_path, options, say)
+        online_stats, online_runs = _online(
+            layout, partition, draft_dir, untrained_dir, verifier_path, options, say, notes
+        )
         stats += online_stats
-    order = {"offline": 1, "online": 0}
-    stats.sort(key=lambda s: (s.label != "trained", order.get(s.method, 2)))
-    for s in stats:
-        if s.method == "offline" and "coverage" in s.extra:
-            notes.append(
-                f"offline ({s.label}): {s.extra['samples']} stored samples, {s.extra['coverage']:.1%} of assistant "
-                f"anchors greedy-consistent; every-position mean acceptance length "
-                f"{s.extra['every_position_mean_acceptance_length']:.3f}"
-            )
-            break
+    stats = _ordered(stats, list(options.online_config.prompt_sets), notes)
     report = EvaluationReport(
         draft_dir=str(draft_dir),
         verifier=str(verifier_path),
         k=options.k,
         held_out_partition=partition,
         stats=stats,
-        online=online_run,
+        online=online_runs or None,
         tolerance=options.tolerance,
         notes=notes,
     )

@@ -135,7 +135,7 @@ def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, 
 class VerifierHead:
     """The verifier's final norm + full-vocabulary LM head: its greedy next token from a stored last hidden state."""
 
-    def __init__(self, verifier_path: str | Path) -> None:
+    def __init__(self, verifier_path: str | Path, device: Any = "cpu") -> None:
         import torch
         from transformers import AutoConfig
 
@@ -146,17 +146,17 @@ class VerifierHead:
         config = getattr(config, "text_config", config)
         weights = load_model_layers(["embed_tokens.weight", "lm_head.weight", "model.norm.weight"], path)
         head = weights.get("lm_head.weight", weights["embed_tokens.weight"])
-        self.lm_head = head.float()
-        self.norm_weight = weights["model.norm.weight"].float()
+        self.lm_head = head.float().to(device)
+        self.norm_weight = weights["model.norm.weight"].float().to(device)
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self._torch = torch
 
     def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
         torch = self._torch
-        x = last_hidden.float()
+        x = last_hidden.to(self.lm_head.device).float()
         # Llama RMSNorm, as the verifier applies it before its LM head
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return (x @ self.lm_head.T).argmax(-1)
+        return (x @ self.lm_head.T).argmax(-1).cpu()
 
 
 def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None = None) -> Any:
@@ -210,27 +210,31 @@ def anchor_acceptance(
     return out.tolist()
 
 
-def draft_proposals(model: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """[k, T-1] target-vocabulary proposals of speculators' forward on one stored sample (shift_batch alignment)."""
+def draft_proposals(
+    model: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, k: int, device: Any = None
+) -> torch.Tensor:
+    """[k, T-1] target-vocabulary proposals of speculators' forward on one stored sample (shift_batch alignment),
+    computed on ``device`` (default: the CPU), returned on the CPU."""
     import torch
 
+    device = torch.device(device or "cpu")
     n_aux = len(model.target_layer_ids)
     if hidden_states.shape[1] < n_aux:
         raise ValueError(f"stored hidden states hold {hidden_states.shape[1]} layers; the draft needs {n_aux} aux")
     t = int(input_ids.shape[0])
-    aux = hidden_states[:, :n_aux, :].reshape(t, -1).float()
+    aux = hidden_states[:, :n_aux, :].reshape(t, -1).to(device).float()
     # shift_batch: hidden state of token c pairs with token c+1; positions start at 1
     hs = aux[:-1].unsqueeze(0)
-    ids = input_ids[1:].unsqueeze(0)
+    ids = input_ids[1:].unsqueeze(0).to(device)
     doc = torch.zeros_like(ids)
-    pos = torch.arange(1, t, dtype=torch.long).unsqueeze(0)
+    pos = torch.arange(1, t, dtype=torch.long, device=device).unsqueeze(0)
     with torch.no_grad():
         steps = model(hidden_states=hs, input_ids=ids, document_ids=doc, position_ids=pos, ttt_steps=k)
     draft = torch.stack([s.squeeze(0) for s in steps])  # [k, T-1] draft-vocabulary ids
     d2t = getattr(model, "d2t", None)
     if d2t is not None and int(model.draft_vocab_size) != int(model.t2d.shape[0]):
         draft = draft + d2t.to(draft.device)[draft]  # target id = i + d2t[i]
-    return draft
+    return draft.cpu()
 
 
 def walk(accepted: Sequence[int], loss_mask: Sequence[int], k: int) -> list[int]:
@@ -276,19 +280,56 @@ def evaluate_offline(
     max_samples: int | None = None,
     log: Callable[[str], None] | None = None,
     num_threads: int | None = None,
+    device: str = "auto",
 ) -> list[AcceptanceStats]:
-    """Offline acceptance of each draft in ``models`` (label -> loaded draft) on one hidden_states partition."""
+    """Offline acceptance of each draft in ``models`` (label -> loaded draft) on one hidden_states partition.
+
+    The drafts run on ``device`` (``EAGLE3_DEVICE``, resolved as training resolves it: ``auto`` is the GPU when there
+    is one). On a CUDA machine speculators compiles the draft's forward when it is imported
+    (``conditional_torch_compile``); on the CPU path that compiled forward runs eagerly (``force_eager``), never
+    through the CPU inductor's C++ build.
+    """
+    from eagle3_assets.training.model import resolve_device
+
+    say = log or logger.info
+    if k <= 0:
+        raise ValueError(f"k={k}: must be a positive integer")
+    where = resolve_device(device)
+    for model in models.values():
+        if hasattr(model, "to"):
+            model.to(where)
+    first = next(iter(models.values()))
+    head = VerifierHead(verifier if verifier is not None else draft_verifier_path(first), where)
+    with _eager_on_cpu(where):
+        return _evaluate_offline(models, head, layout, partition_key, k, max_samples, say, num_threads, where)
+
+
+def _eager_on_cpu(device: Any) -> Any:
+    """``torch.compiler.set_stance("force_eager")`` on the CPU: a forward compiled for CUDA runs as plain torch."""
+    import contextlib
+
+    import torch
+
+    return torch.compiler.set_stance("force_eager") if device.type == "cpu" else contextlib.nullcontext()
+
+
+def _evaluate_offline(
+    models: dict[str, Any],
+    head: VerifierHead,
+    layout: DataLayout,
+    partition_key: str,
+    k: int,
+    max_samples: int | None,
+    say: Callable[[str], None],
+    num_threads: int | None,
+    device: Any,
+) -> list[AcceptanceStats]:
     import time
 
     import torch
 
     from eagle3_assets.hidden_states.backends import torch_threads
 
-    say = log or logger.info
-    if k <= 0:
-        raise ValueError(f"k={k}: must be a positive integer")
-    first = next(iter(models.values()))
-    head = VerifierHead(verifier if verifier is not None else draft_verifier_path(first))
     walks: dict[str, list[int]] = {label: [] for label in models}
     every: dict[str, list[int]] = {label: [] for label in models}
     anchors = qualifying = samples = 0
@@ -304,7 +345,7 @@ def evaluate_offline(
             counted = False
             for label, model in models.items():
                 with torch.no_grad():
-                    proposals = draft_proposals(model, hidden, input_ids, k)
+                    proposals = draft_proposals(model, hidden, input_ids, k, device)
                 accepted = anchor_acceptance(proposals, greedy, input_ids, loss_mask)
                 if not counted:
                     qualifying += sum(1 for a in accepted if a >= 0)

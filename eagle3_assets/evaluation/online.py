@@ -1,21 +1,24 @@
 """Online acceptance: the draft in vLLM's EAGLE-3 speculative decoding, counted from the evaluation's own requests.
 
-The same held-out prompts go, at temperature 0, to the plain verifier and to the verifier with each draft
-(``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``), one server at a
-time so their tokens/s are measured on an otherwise identical machine. Acceptance is summed from the per-request
-speculative metrics each response carries (``metrics.speculative_decoding``: vLLM's
+The same prompts (every named prompt set: ``prompt_sets.py``) go, at temperature 0, to the plain verifier and to the
+verifier with each draft (``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``),
+one server at a time so their tokens/s are measured on an otherwise identical machine. Acceptance is summed from the
+per-request speculative metrics each response carries (``metrics.speculative_decoding``: vLLM's
 ``--per-request-spec-decode-metrics summary``), never from the server-wide ``/metrics`` counters, which every other
 client of a shared server moves too. The servers the evaluation starts itself get that flag; a server given by URL
 must have it, or the evaluation stops saying so. Requests carry the API key of the generation setting. Greedy outputs
 with a draft must equal the plain verifier's token for token: speculative decoding is lossless at temperature 0, so
 any difference is a bug (in the draft's config, the engine, or the comparison) and is reported per prompt.
 
-Requests go out ``concurrency`` at a time (default 1: speculative decoding pays off when decoding is latency-bound,
-and one sequence at a time makes tokens/s comparable between runs).
+Per prompt set and server, two batches: the *acceptance* batch, every prompt of the set ``concurrency`` at a time
+(acceptance does not depend on the batch, so the fastest concurrency is used), and the *speed* batch, the first
+``speed_prompts`` one at a time: speculative decoding pays off when decoding is latency-bound, and one sequence at a
+time makes tokens/s comparable between runs. The speed-up is the speed batch's tokens/s over the plain verifier's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,20 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
 from eagle3_assets.evaluation.report import AcceptanceStats
 from eagle3_assets.generation.config import display_url
-from eagle3_assets.storage import DataLayout
+
+__all__ = ["OnlineConfig", "Prompt", "evaluate_online", "held_out_prompts"]
 
 logger = logging.getLogger(__name__)
 
 # vLLM's flag for per-request acceptance in each response body (``summary``: the histogram, no per-step arrays)
 PER_REQUEST_METRICS_ARGS = ("--per-request-spec-decode-metrics", "summary")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    sample_id: str
-    messages: list[dict[str, str]]
 
 
 @dataclass
@@ -64,39 +63,26 @@ class GenerationRun:
 @dataclass
 class OnlineConfig:
     k: int = 3
-    prompts: int = 32
+    prompts: int = 32  # held-out prompts
+    humaneval_prompts: int = 0  # HumanEval problems; 0: all 164
     max_tokens: int = 128
-    concurrency: int = 1
-    max_model_len: int = 1024
+    # acceptance does not depend on the batch: each prompt set's acceptance batch goes out this many at a time
+    concurrency: int = 64
+    # tokens/s, with and without a draft, on the first N prompts of each set one at a time (batch 1: where
+    # decoding is latency-bound and drafts pay off); 0: no speed measurement
+    speed_prompts: int = 8
+    prompt_sets: tuple[str, ...] = tuple(DEFAULT_PROMPT_SETS.split(","))
+    max_model_len: int = 2048  # held-out prompts of real datasets run to ~1.5k tokens
     request_timeout_s: float = 600.0
     python: Path | None = None  # the vLLM interpreter (default: $EAGLE3_VLLM_PYTHON or .venv-vllm)
     log_dir: Path | None = None
+    # `auto` (the verifier's tokenizer decides), `none` or a vLLM parser: every server started here
+    reasoning_parser: str = "auto"
     # servers already running (e.g. a GPU box): the plain verifier, and a verifier serving the trained draft
     plain_url: str | None = None
     draft_url: str | None = None
     served_model_name: str | None = None  # model id on those servers; default: the verifier folder's name
     api_key: str | None = field(default=None, repr=False)  # for servers given by URL; never logged
-
-
-def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Prompt]:
-    """The first ``n`` prompts of the held-out partition of raw_prompts (in dataset order)."""
-    import polars as pl
-
-    if not layout.prompts_path.exists():
-        raise FileNotFoundError(f"no raw_prompts at {layout.prompts_path}: materialize raw_prompts first")
-    from eagle3_assets.generation.records import normalize_messages
-
-    frame = (
-        pl.scan_parquet(layout.prompts_path)
-        .filter(pl.col("partition_key") == partition_key)
-        .sort("position")
-        .head(n)
-        .select("sample_id", "messages")
-        .collect()
-    )
-    if frame.height == 0:
-        raise ValueError(f"raw_prompts has no prompt in partition {partition_key}")
-    return [Prompt(str(r["sample_id"]), normalize_messages(r["messages"])) for r in frame.iter_rows(named=True)]
 
 
 def acceptance_counts(speculative: Mapping[str, Any], k: int) -> dict[str, Any]:
@@ -195,8 +181,12 @@ def _measure(
     return run
 
 
-def _stats(label: str, k: int, run: GenerationRun) -> AcceptanceStats:
+def _stats(
+    label: str, k: int, run: GenerationRun, speed: GenerationRun | None = None, prompt_set: str = HELD_OUT
+) -> AcceptanceStats:
+    """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``."""
     c = run.counters
+    timed = speed if speed is not None else run
     return AcceptanceStats(
         label=label,
         method="online",
@@ -205,9 +195,14 @@ def _stats(label: str, k: int, run: GenerationRun) -> AcceptanceStats:
         draft_tokens=c["draft_tokens"],
         accepted_tokens=c["accepted"],
         accepted_per_position=list(c["per_position"]),
-        output_tokens=run.output_tokens,
-        seconds=run.seconds,
-        extra={"truncated": sum(1 for g in run.generations if g.finish_reason == "length")},
+        output_tokens=timed.output_tokens if timed.generations else None,
+        seconds=timed.seconds if timed.generations else None,
+        prompt_set=prompt_set,
+        extra={
+            "prompts": len(run.generations),
+            "speed_prompts": len(speed.generations) if speed is not None else len(run.generations),
+            "truncated": sum(1 for g in run.generations if g.finish_reason == "length"),
+        },
     )
 
 
@@ -224,6 +219,7 @@ def _local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path |
             port=find_free_port(),
             python=config.python,
             max_model_len=config.max_model_len,
+            reasoning_parser=config.reasoning_parser,
             speculative_config=spec,
             log_dir=config.log_dir,
             extra_args=PER_REQUEST_METRICS_ARGS if draft is not None else (),
@@ -232,50 +228,84 @@ def _local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path |
 
 
 @dataclass
+class SetRun:
+    """One server on one prompt set: the acceptance batch (every prompt, ``concurrency`` at a time) and the speed
+    batch (the first ``speed_prompts``, one at a time)."""
+
+    acceptance: GenerationRun
+    speed: GenerationRun | None
+
+    @property
+    def generations(self) -> list[Generation]:
+        return self.acceptance.generations + (self.speed.generations if self.speed is not None else [])
+
+
+def measure_set(
+    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
+) -> SetRun:
+    """The acceptance batch first (it also warms the server up), then the batch-1 speed batch."""
+    acceptance = _measure(base_url, model, prompts, config, speculative)
+    speed = None
+    if config.speed_prompts > 0:
+        one_at_a_time = dataclasses.replace(config, concurrency=1)
+        speed = _measure(base_url, model, prompts[: config.speed_prompts], one_at_a_time, speculative)
+    return SetRun(acceptance, speed)
+
+
+@dataclass
 class OnlineResult:
     stats: list[AcceptanceStats]
-    baseline: GenerationRun
-    mismatches: dict[str, list[str]]
+    baseline: dict[str, SetRun]  # prompt set -> the plain verifier's run
+    mismatches: dict[str, dict[str, list[str]]]  # prompt set -> label -> sample ids whose greedy output differed
     startup_s: dict[str, float]
 
 
 def evaluate_online(
     verifier: Path,
     drafts: Mapping[str, Path],
-    prompts: Sequence[Prompt],
+    prompt_sets: Mapping[str, Sequence[Prompt]],
     config: OnlineConfig,
     log: Callable[[str], None] | None = None,
 ) -> OnlineResult:
-    """Plain verifier, then the verifier with each draft (label -> speculators draft folder), on the same prompts.
+    """Plain verifier, then the verifier with each draft (label -> speculators draft folder), on every prompt set
+    (name -> prompts), one server at a time.
 
     With ``config.plain_url`` / ``config.draft_url`` set, those servers are used (the trained draft is the first
-    label); every other one is started locally and stopped after its batch.
+    label); every other one is started locally (with ``config.reasoning_parser``) and stopped after its batches.
     """
     say = log or logger.info
     name = config.served_model_name or Path(verifier).name
     startup: dict[str, float] = {}
 
-    def run_on(label: str, draft: Path | None, url: str | None) -> GenerationRun:
+    def run_on(label: str, draft: Path | None, url: str | None) -> dict[str, SetRun]:
+        def all_sets(base_url: str) -> dict[str, SetRun]:
+            out = {}
+            for set_name, prompts in prompt_sets.items():
+                say(f"online [{label}] {set_name}: {len(prompts)} prompts, {config.concurrency} at a time")
+                out[set_name] = measure_set(base_url, name, prompts, config, speculative=draft is not None)
+            return out
+
         if url is not None:
             say(f"online [{label}]: using the server at {display_url(url)}")
-            return _measure(url, name, prompts, config, speculative=draft is not None)
+            return all_sets(url)
         say(f"online [{label}]: starting vLLM on {verifier}" + (f" with draft {draft}" if draft else ""))
         with _local_server(verifier, config, name, draft) as server:
             startup[label] = round(float(server.startup_s or 0.0), 1)
-            say(f"online [{label}]: ready in {startup[label]:.0f} s; generating {len(prompts)} prompts")
-            return _measure(server.base_url, name, prompts, config, speculative=draft is not None)
+            say(f"online [{label}]: ready in {startup[label]:.0f} s")
+            return all_sets(server.base_url)
 
     baseline = run_on("plain", None, config.plain_url)
-    say(f"online [plain]: {baseline.output_tokens} tokens in {baseline.seconds:.1f} s")
     stats: list[AcceptanceStats] = []
-    mismatches: dict[str, list[str]] = {}
+    mismatches: dict[str, dict[str, list[str]]] = {set_name: {} for set_name in prompt_sets}
     for i, (label, draft) in enumerate(drafts.items()):
-        run = run_on(label, Path(draft), config.draft_url if i == 0 else None)
-        s = _stats(label, config.k, run)
-        mismatches[label] = mismatched(baseline.generations, run.generations)
-        say(
-            f"online [{label}]: mean acceptance length {s.mean_acceptance_length:.3f} over {s.drafts} drafts, "
-            f"{run.output_tokens} tokens in {run.seconds:.1f} s, {len(mismatches[label])} greedy mismatches"
-        )
-        stats.append(s)
+        runs = run_on(label, Path(draft), config.draft_url if i == 0 else None)
+        for set_name, run in runs.items():
+            s = _stats(label, config.k, run.acceptance, run.speed, set_name)
+            bad = mismatched(baseline[set_name].generations, run.generations)
+            mismatches[set_name][label] = sorted(set(bad), key=bad.index)
+            say(
+                f"online [{label}] {set_name}: mean acceptance length {s.mean_acceptance_length:.3f} over "
+                f"{s.drafts} drafts, {len(mismatches[set_name][label])} greedy mismatches"
+            )
+            stats.append(s)
     return OnlineResult(stats=stats, baseline=baseline, mismatches=mismatches, startup_s=startup)

@@ -36,6 +36,8 @@ class AcceptanceStats:
     # online only: throughput of the same prompts with this draft, and the plain server's in the same run
     output_tokens: int | None = None
     seconds: float | None = None
+    # the named prompt set (prompt_sets.py); offline figures are simulated on the held-out partition's samples
+    prompt_set: str = "held-out"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,14 +74,17 @@ class AcceptanceStats:
 
 @dataclass
 class OnlineRun:
-    """What one online comparison measured beside the acceptance figures."""
+    """What one online comparison on one prompt set measured beside the acceptance figures."""
 
-    prompts: int
+    prompts: int  # the acceptance batch: every prompt of the set
     max_tokens: int
-    baseline_output_tokens: int  # plain verifier, same prompts
+    baseline_output_tokens: int  # plain verifier, the speed batch
     baseline_seconds: float
     mismatches: dict[str, list[str]] = field(default_factory=dict)  # label -> sample ids whose greedy output differed
     server_startup_s: dict[str, float] = field(default_factory=dict)
+    prompt_set: str = "held-out"
+    concurrency: int = 1  # of the acceptance batch
+    speed_prompts: int = 0  # the speed batch: the set's first prompts, one at a time
 
     @property
     def baseline_tokens_per_second(self) -> float:
@@ -93,44 +98,82 @@ class EvaluationReport:
     k: int
     held_out_partition: str | None
     stats: list[AcceptanceStats]
-    online: OnlineRun | None = None
+    online: OnlineRun | list[OnlineRun] | None = None  # one run per prompt set (a single run: held-out)
     tolerance: float = 0.25  # |online - offline| mean acceptance length the report calls "agree"
     notes: list[str] = field(default_factory=list)
 
-    def get(self, label: str, method: str) -> AcceptanceStats | None:
+    @property
+    def online_runs(self) -> list[OnlineRun]:
+        if self.online is None:
+            return []
+        return [self.online] if isinstance(self.online, OnlineRun) else list(self.online)
+
+    def run(self, prompt_set: str) -> OnlineRun | None:
+        return next((r for r in self.online_runs if r.prompt_set == prompt_set), None)
+
+    def prompt_sets(self) -> list[str]:
+        """Every prompt set measured, in the order they were measured."""
+        seen = [r.prompt_set for r in self.online_runs]
         for s in self.stats:
-            if s.label == label and s.method == method:
+            if s.prompt_set not in seen:
+                seen.append(s.prompt_set)
+        return seen
+
+    def get(self, label: str, method: str, prompt_set: str | None = None) -> AcceptanceStats | None:
+        """The stats of this draft and method on ``prompt_set`` (None: the first measured, held-out first)."""
+        for s in self.stats:
+            if s.label == label and s.method == method and prompt_set in (None, s.prompt_set):
                 return s
         return None
 
-    def speedup(self, label: str) -> float | None:
-        """Output tokens/s with this draft over the plain verifier's, same prompts, same run."""
-        s = self.get(label, "online")
-        if s is None or self.online is None or s.tokens_per_second is None:
+    def speedup(self, label: str, prompt_set: str | None = None) -> float | None:
+        """Batch-1 output tokens/s with this draft over the plain verifier's, same prompts, same run."""
+        s = self.get(label, "online", prompt_set)
+        run = self.run(s.prompt_set) if s is not None else None
+        if s is None or run is None or s.tokens_per_second is None:
             return None
-        base = self.online.baseline_tokens_per_second
-        return s.tokens_per_second / base if base else None
+        base = run.baseline_tokens_per_second
+        return s.tokens_per_second / base if base and base == base else None
 
     def agreement(self, label: str) -> float | None:
-        """online - offline mean acceptance length for this draft (None unless both were measured)."""
-        on, off = self.get(label, "online"), self.get(label, "offline")
+        """online - offline mean acceptance length for this draft on the held-out set (None unless both measured)."""
+        off = self.get(label, "offline")
+        on = self.get(label, "online", off.prompt_set) if off is not None else None
         if on is None or off is None:
             return None
         return on.mean_acceptance_length - off.mean_acceptance_length
 
+    def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """prompt set -> "draft (method)" -> mean acceptance length, acceptance per position, speed-up."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for s in self.stats:
+            out.setdefault(s.prompt_set, {})[f"{s.label} ({s.method})"] = {
+                "mean_acceptance_length": _finite(s.mean_acceptance_length),
+                "acceptance_rate_per_position": [_finite(x) for x in s.acceptance_rate_per_position],
+                "drafts": s.drafts,
+                "speedup": self.speedup(s.label, s.prompt_set) if s.method == "online" else None,
+            }
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         online = None
-        if self.online is not None:
-            online = asdict(self.online)
-            online["baseline_tokens_per_second"] = _finite(self.online.baseline_tokens_per_second)
+        if self.online_runs:
+            online = {}
+            for run in self.online_runs:
+                online[run.prompt_set] = asdict(run)
+                online[run.prompt_set]["baseline_tokens_per_second"] = _finite(run.baseline_tokens_per_second)
         return {
             "draft_dir": self.draft_dir,
             "verifier": self.verifier,
             "k": self.k,
             "held_out_partition": self.held_out_partition,
+            "summary": self.summary(),
             "stats": [s.to_dict() for s in self.stats],
             "online": online,
-            "speedup": {label: self.speedup(label) for label in self.labels()},
+            "speedup": {
+                run.prompt_set: {label: self.speedup(label, run.prompt_set) for label in self.labels()}
+                for run in self.online_runs
+            },
             "online_minus_offline": {label: self.agreement(label) for label in self.labels()},
             "tolerance": self.tolerance,
             "notes": self.notes,
@@ -155,9 +198,33 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
-def render_markdown(report: EvaluationReport) -> str:
+def _plain_row(run: OnlineRun, k: int) -> list[str]:
+    tps = run.baseline_tokens_per_second
+    speed = "1.00" if tps == tps else "-"  # NaN: no speed batch
+    return [run.prompt_set, "none (plain verifier)", "online", "-", "1.000", *["-"] * k, _fmt(tps, 1), speed]
+
+
+def _stats_row(report: EvaluationReport, s: AcceptanceStats) -> list[str]:
     k = report.k
-    head = ["draft", "method", "drafts", "mean acc. len", *[f"acc@{j + 1}" for j in range(k)], "tok/s", "speed-up"]
+    rates = s.acceptance_rate_per_position + [float("nan")] * (k - len(s.accepted_per_position))
+    speed = report.speedup(s.label, s.prompt_set) if s.method == "online" else None
+    return [
+        s.prompt_set,
+        s.label,
+        s.method,
+        str(s.drafts),
+        _fmt(s.mean_acceptance_length),
+        *[_fmt(r) for r in rates[:k]],
+        _fmt(s.tokens_per_second, 1) if s.method == "online" else "-",
+        _fmt(speed, 2) if speed is not None else "-",
+    ]
+
+
+def render_markdown(report: EvaluationReport) -> str:
+    """One table, grouped by prompt set (the plain verifier's row first), then the notes."""
+    k = report.k
+    head = ["prompt set", "draft", "method", "drafts", "mean acc. len", *[f"acc@{j + 1}" for j in range(k)]]
+    head += ["tok/s", "speed-up"]
     lines = [
         f"### Draft evaluation (k={k})",
         "",
@@ -167,30 +234,13 @@ def render_markdown(report: EvaluationReport) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
     ]
-    if report.online is not None:
-        base = [
-            "none (plain verifier)",
-            "online",
-            "-",
-            "1.000",
-            *["-"] * k,
-            _fmt(report.online.baseline_tokens_per_second, 1),
-            "1.00",
-        ]
-        lines.append("| " + " | ".join(base) + " |")
-    for s in report.stats:
-        rates = s.acceptance_rate_per_position + [float("nan")] * (k - len(s.accepted_per_position))
-        speed = report.speedup(s.label) if s.method == "online" else None
-        row = [
-            s.label,
-            s.method,
-            str(s.drafts),
-            _fmt(s.mean_acceptance_length),
-            *[_fmt(r) for r in rates[:k]],
-            _fmt(s.tokens_per_second, 1) if s.method == "online" else "-",
-            _fmt(speed, 2) if speed is not None else "-",
-        ]
-        lines.append("| " + " | ".join(row) + " |")
+    for prompt_set in report.prompt_sets():
+        run = report.run(prompt_set)
+        if run is not None:
+            lines.append("| " + " | ".join(_plain_row(run, k)) + " |")
+        for s in report.stats:
+            if s.prompt_set == prompt_set:
+                lines.append("| " + " | ".join(_stats_row(report, s)) + " |")
     lines.append("")
     for label in report.labels():
         diff = report.agreement(label)
@@ -200,12 +250,15 @@ def render_markdown(report: EvaluationReport) -> str:
                 f"- {label}: online - offline mean acceptance length = {diff:+.3f} "
                 f"({verdict} within the stated tolerance {report.tolerance})"
             )
-    if report.online is not None:
-        o = report.online
-        lines.append(f"- online: {o.prompts} held-out prompts, temperature 0, max_tokens {o.max_tokens}")
+    for o in report.online_runs:
+        speed = f"tok/s at batch 1 on its first {o.speed_prompts}" if o.speed_prompts else "no tok/s measured"
+        lines.append(
+            f"- online {o.prompt_set}: acceptance over {o.prompts} prompts ({o.concurrency} at a time), {speed}; "
+            f"temperature 0, max_tokens {o.max_tokens}"
+        )
         for label, bad in o.mismatches.items():
             what = "identical" if not bad else f"{len(bad)} DIFFERENT ({', '.join(bad[:5])})"
-            lines.append(f"- greedy outputs with the {label} draft vs without: {what}")
+            lines.append(f"- {o.prompt_set}: greedy outputs with the {label} draft vs without: {what}")
     for note in report.notes:
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

@@ -55,7 +55,7 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
         python=Path(args.python) if args.python else None,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
-        reasoning_parser=None if args.reasoning_parser in ("", "none") else args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser,
         enforce_eager=not args.no_enforce_eager,
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
         extra_args=extra,
@@ -229,7 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--python", default=None, help=f"vLLM interpreter (default ${ENV_PYTHON} or .venv-vllm)")
         p.add_argument("--max-model-len", type=int, default=1024, help="context length (default: %(default)s)")
         p.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache, GiB (default: %(default)s)")
-        p.add_argument("--reasoning-parser", default="deepseek_r1", help="'none' to disable")
+        p.add_argument(
+            "--reasoning-parser",
+            default="auto",
+            help="vLLM reasoning parser; 'auto' (default): deepseek_r1 when the tokenizer has <think> and </think>, "
+            "else none; 'none' to disable",
+        )
         p.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile (slower start-up)")
         p.add_argument("--speculative-config", default=None, help="JSON passed to vLLM --speculative-config")
         p.add_argument(

@@ -40,6 +40,7 @@ from typing import Any
 
 from eagle3_assets import process_guard
 from eagle3_assets.local.process_group import _only_zombies, stop_process_group
+from eagle3_assets.local.reasoning import resolve_reasoning_parser
 from eagle3_assets.local.vllm_probe import (
     API_KEY_ENV,
     _probe_models,
@@ -168,7 +169,9 @@ class VLLMServerConfig:
     dtype: str = "float32"
     max_model_len: int = 1024
     kv_cache_gib: int = 1
-    reasoning_parser: str | None = "deepseek_r1"
+    # `auto`: deepseek_r1 when the model's tokenizer has <think> and </think>, else none (local/reasoning.py);
+    # `none` / None: no parser; anything else: that vLLM parser
+    reasoning_parser: str | None = "auto"
     enforce_eager: bool = True  # skips torch.compile warm-up: start-up ~70-100 s instead of ~200 s on 2 cores
     speculative_config: Mapping[str, Any] | None = None  # e.g. {"method": "eagle3", "model": DIR, ...}
     extra_args: Sequence[str] = ()
@@ -199,8 +202,9 @@ class VLLMServerConfig:
         cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
-        if self.reasoning_parser:
-            cmd += ["--reasoning-parser", self.reasoning_parser]
+        parser = resolve_reasoning_parser(self.reasoning_parser, self.model)
+        if parser:
+            cmd += ["--reasoning-parser", parser]
         if self.speculative_config is not None:
             spec = dict(self.speculative_config)
             if "model" in spec:  # the server runs in the log dir: make a relative draft path absolute

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.storage import DataLayout
-from support.real_model import smollm2_dir
 from support.reliability import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -27,14 +26,14 @@ RELATIVE_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def verifier() -> Path:
+def verifier(real_verifier_dir: Path) -> Path:
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
 
     try:
         check_vllm_python()
     except VLLMNotInstalledError as exc:
         pytest.skip(f"local vLLM not installed: {exc}")
-    return smollm2_dir()
+    return real_verifier_dir
 
 
 def _generate(layout: DataLayout, verifier: Path, log_dir: Path) -> None:

@@ -74,6 +74,18 @@ def test_stats_and_report_files(tmp_path: Path) -> None:
         output_tokens=250,
         seconds=20.0,
     )
+    humaneval = AcceptanceStats(
+        "trained",
+        "online",
+        K,
+        drafts=20,
+        draft_tokens=60,
+        accepted_tokens=20,
+        accepted_per_position=[10, 6, 4],
+        output_tokens=100,
+        seconds=1.0,
+        prompt_set="humaneval",
+    )
     assert trained.mean_acceptance_length == 2.5
     assert trained.acceptance_rate_per_position == [0.8, 0.5, 0.2]
     report = EvaluationReport(
@@ -81,26 +93,48 @@ def test_stats_and_report_files(tmp_path: Path) -> None:
         verifier="v",
         k=K,
         held_out_partition="00002",
-        stats=[trained, offline, untrained],
-        online=OnlineRun(
-            prompts=4,
-            max_tokens=64,
-            baseline_output_tokens=250,
-            baseline_seconds=10.0,
-            mismatches={"trained": [], "untrained": ["s1"]},
-        ),
+        stats=[trained, offline, untrained, humaneval],
+        online=[
+            OnlineRun(
+                prompts=4,
+                max_tokens=64,
+                baseline_output_tokens=250,
+                baseline_seconds=10.0,
+                mismatches={"trained": [], "untrained": ["s1"]},
+                concurrency=4,
+                speed_prompts=2,
+            ),
+            OnlineRun(
+                prompts=164,
+                max_tokens=64,
+                baseline_output_tokens=80,
+                baseline_seconds=1.0,
+                mismatches={"trained": []},
+                prompt_set="humaneval",
+                concurrency=64,
+                speed_prompts=8,
+            ),
+        ],
     )
-    assert report.speedup("trained") == pytest.approx(2.0)
+    assert report.speedup("trained") == pytest.approx(2.0)  # the first prompt set measured: held-out
     assert report.speedup("untrained") == pytest.approx(0.5)
-    assert report.agreement("trained") == pytest.approx(2.5 - 2.4)
+    assert report.speedup("trained", "humaneval") == pytest.approx(1.25)
+    assert report.agreement("trained") == pytest.approx(2.5 - 2.4)  # online held-out vs offline (held-out samples)
     json_path, md_path = write_report(report, DataLayout.at(tmp_path))
     assert json_path.parent == DataLayout.at(tmp_path).evaluation_dir
     data = json.loads(json_path.read_text())
-    assert data["speedup"]["trained"] == pytest.approx(2.0)
+    assert data["speedup"]["held-out"]["trained"] == pytest.approx(2.0)
+    assert data["speedup"]["humaneval"]["trained"] == pytest.approx(1.25)
+    assert data["summary"]["humaneval"]["trained (online)"]["mean_acceptance_length"] == 2.0
+    assert data["online"]["humaneval"]["prompts"] == 164
     assert data["stats"][0]["mean_acceptance_length"] == 2.5
     md = md_path.read_text()
-    assert "| trained | online | 10 | 2.500 | 0.800 | 0.500 | 0.200 | 50.0 | 2.00 |" in md
+    assert "| held-out | trained | online | 10 | 2.500 | 0.800 | 0.500 | 0.200 | 50.0 | 2.00 |" in md
+    assert "| humaneval | none (plain verifier) | online | - | 1.000 | - | - | - | 80.0 | 1.00 |" in md
+    assert "| humaneval | trained | online | 20 | 2.000 | 0.500 | 0.300 | 0.200 | 100.0 | 1.25 |" in md
+    assert md.index("| held-out | untrained") < md.index("| humaneval | none")  # grouped by prompt set
     assert "1 DIFFERENT (s1)" in md and "agree" in md
+    assert "acceptance over 164 prompts (64 at a time), tok/s at batch 1 on its first 8" in md
     assert not list(json_path.parent.glob(".*tmp*"))  # atomic writes leave nothing behind
 
 
@@ -279,3 +313,28 @@ def test_draft_evaluation_asset_offline(stored: tuple[DataLayout, Path]) -> None
     assert metadata["dagster/row_count"].value == 2 and "| trained | offline |" in metadata["report_markdown"].value
     assert "data:image/png;base64" in metadata["acceptance_per_position"].value
     assert (layout.evaluation_dir / "report.json").exists() and (layout.evaluation_dir / "report.md").exists()
+
+
+def test_offline_on_the_cpu_never_compiles_the_draft(
+    stored: tuple[DataLayout, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CUDA machine speculators compiles ``Eagle3DraftModel.forward`` at import (``conditional_torch_compile``);
+    the offline simulation on the CPU then ran it through the CPU inductor, whose C++ build failed. Here the forward
+    is compiled the same way with a backend that fails like that build: the CPU path must never reach it."""
+    import torch
+
+    from eagle3_assets.evaluation import offline
+    from eagle3_assets.speculators_adapter import eagle3_classes
+    from eagle3_assets.training import TrainConfig
+    from eagle3_assets.training.model import build_draft
+
+    def failing_backend(graph: object, example_inputs: object) -> object:
+        raise RuntimeError("CppCompileError: C++ compile error (injected: the CPU inductor build)")
+
+    cls = eagle3_classes().Eagle3DraftModel
+    monkeypatch.setattr(cls, "forward", torch.compile(cls.forward, backend=failing_backend))
+    layout, verifier = stored
+    torch.manual_seed(4)
+    draft = build_draft(verifier, [1, 2, 3], TrainConfig(ttt_steps=K), None).eval()
+    stats = offline.evaluate_offline({"trained": draft}, layout, "00000", k=K, verifier=verifier, max_samples=2)
+    assert stats[0].extra["samples"] == 2  # the draft ran on every sample; EAGLE3_DEVICE's default, auto: the CPU here

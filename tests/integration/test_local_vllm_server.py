@@ -108,8 +108,14 @@ def test_context_manager_starts_healthy_and_stops_gracefully(
     monkeypatch.chdir(cwd)
     # Relative interpreter and draft paths are taken relative to the caller's cwd, not the server's (the log dir).
     relative_python = Path(os.path.relpath(sys.executable))
+    # an explicit parser is passed as given (`auto` would find no tokenizer in this empty folder: no parser)
     config = _config(
-        tmp_path, model_dir, fake_env, python=relative_python, speculative_config={"method": "eagle3", "model": "draft"}
+        tmp_path,
+        model_dir,
+        fake_env,
+        python=relative_python,
+        speculative_config={"method": "eagle3", "model": "draft"},
+        reasoning_parser="deepseek_r1",
     )
     # A process started from a background shell job inherits SIGINT *ignored*: the shim must restore it, or the
     # graceful stop would silently fall through to SIGTERM.
