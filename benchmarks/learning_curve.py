@@ -172,7 +172,7 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
     server = None
     if not args.base_url:
         server = LocalVLLMServer(
-            model=args.verifier, served_model_name="verifier", reasoning_parser=None, max_model_len=2048,
+            model=args.verifier, served_model_name="verifier", max_model_len=2048,
             kv_cache_gib=2, log_dir=args.data / "_logs", extra_args=["--max-num-seqs", str(args.concurrency)],
         )  # fmt: skip
     with server or nullcontext():

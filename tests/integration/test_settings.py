@@ -110,7 +110,7 @@ def test_run_config_errors_have_the_same_shape() -> None:
     assert str(raised.value) == "epochs=0: must be a positive integer"
     with pytest.raises(settings.ConfigError) as raised:
         HiddenStatesRunConfig(dtype="fp8")
-    assert str(raised.value) == "dtype='fp8': must be 'bfloat16' or 'float32'"
+    assert str(raised.value) == "dtype='fp8': must be 'bfloat16' or 'float32' or 'float8_e4m3fn'"
 
 
 def test_readme_table_is_generated_from_the_declarations() -> None:
