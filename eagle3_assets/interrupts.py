@@ -7,8 +7,9 @@ step). An event loop running in the main thread spends its time inside the polle
 uvloop the handler's exception never reached the coroutine, and a generating partition went on for minutes after
 the signal (issue 22).
 
-So :func:`run_interruptible` runs the loop on a helper thread and the main thread only waits for the result. That
-wait is interruptible: the handler's exception surfaces in the main thread, the coroutine's task is cancelled on
+So :func:`run_interruptible` runs the loop on a helper thread and the main thread only waits for the result, waking
+up every :data:`POLL_S` (the signal may have been delivered to another thread, which does not wake the main one): the
+handler's exception surfaces in the main thread, the coroutine's task is cancelled on
 its own loop (its ``finally`` blocks close connections, files and servers), and the exception is raised again once
 the task has wound down, or after :data:`CANCEL_GRACE_S` at most. A second signal cuts the grace short.
 """
@@ -27,6 +28,7 @@ T = TypeVar("T")
 # How long an interrupted run waits for its cancelled coroutine to clean up (close connections, journal) before the
 # interrupt is raised anyway. Well inside the 30 s a stop request is given (docs/reliability.md "Stopping a run").
 CANCEL_GRACE_S = 10.0
+POLL_S = 0.2  # how often the waiting main thread wakes up to run a pending signal handler
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -68,11 +70,22 @@ def run_interruptible(coro: Coroutine[Any, Any, T], grace_s: float = CANCEL_GRAC
     # daemon: a loop that ignores its cancellation must not keep the process alive after the interrupt
     threading.Thread(target=body, name="asyncio-runner", daemon=True).start()
     try:
-        return outcome.result()
+        return _wait(outcome)
     except BaseException:
         if not outcome.done():  # interrupted while it ran: stop it before letting the interrupt go on
             _cancel(started, outcome, grace_s)
         raise
+
+
+def _wait(outcome: concurrent.futures.Future[T]) -> T:
+    """``outcome.result()``, woken every :data:`POLL_S`: the kernel may deliver a process-directed signal to any
+    thread (the loop's, a resolver's, a library's), and the handler then runs in the main thread only once that
+    thread runs bytecode again; a wait without a timeout would sleep through it until the coroutine ended."""
+    while True:
+        try:
+            return outcome.result(timeout=POLL_S)
+        except concurrent.futures.TimeoutError:
+            continue
 
 
 def _cancel(
