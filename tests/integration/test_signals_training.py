@@ -139,5 +139,7 @@ def test_sigkill_of_the_step_takes_torchrun_down_and_frees_the_lock(
         while alive(tree) and time.monotonic() < deadline:
             time.sleep(0.25)
         left = alive(tree)
+        for pid in left:  # the test's own cleanup: a torchrun that survived would train on for minutes
+            os.kill(pid, signal.SIGKILL)
     assert not left, f"processes outlived the SIGKILLed step: {left}"
     assert _lock_is_free(layout)

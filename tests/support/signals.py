@@ -175,3 +175,50 @@ def journal_lines(path: Path) -> int:
         return path.read_bytes().count(b"\n")
     except FileNotFoundError:
         return 0
+
+
+class HangingServer:
+    """An OpenAI-compatible server that lists one model and never answers a POST (a stuck extraction server):
+    ``with HangingServer("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
+
+    def __init__(self, model: str) -> None:
+        import http.server
+        import json
+        import threading
+
+        outer = self
+        self.posts = 0
+        self._release = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                body = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                outer.posts += 1
+                outer._release.wait(600)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> HangingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
