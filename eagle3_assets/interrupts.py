@@ -9,9 +9,9 @@ the signal (issue 22).
 
 So :func:`run_interruptible` runs the loop on a helper thread and the main thread only waits for the result, waking
 up every :data:`POLL_S` (the signal may have been delivered to another thread, which does not wake the main one): the
-handler's exception surfaces in the main thread, the coroutine's task is cancelled on
-its own loop (its ``finally`` blocks close connections, files and servers), and the exception is raised again once
-the task has wound down, or after :data:`CANCEL_GRACE_S` at most. A second signal cuts the grace short.
+handler's exception surfaces in the main thread, the coroutine's task is cancelled on its own loop (its ``finally``
+blocks close connections, files and servers), and the exception is raised again once the task has wound down, or
+after :data:`CANCEL_GRACE_S` at most. A second signal cuts the grace short.
 """
 
 from __future__ import annotations
@@ -81,11 +81,9 @@ def _wait(outcome: concurrent.futures.Future[T]) -> T:
     """``outcome.result()``, woken every :data:`POLL_S`: the kernel may deliver a process-directed signal to any
     thread (the loop's, a resolver's, a library's), and the handler then runs in the main thread only once that
     thread runs bytecode again; a wait without a timeout would sleep through it until the coroutine ended."""
-    while True:
-        try:
-            return outcome.result(timeout=POLL_S)
-        except concurrent.futures.TimeoutError:
-            continue
+    while not outcome.done():  # not result(timeout=...): a TimeoutError of the coroutine's own would look the same
+        concurrent.futures.wait([outcome], timeout=POLL_S)
+    return outcome.result()
 
 
 def _cancel(

@@ -226,9 +226,9 @@ class VLLMBackend:
 
         future = asyncio.run_coroutine_threadsafe(self._extract_all([list(ids) for ids in batch]), self._loop)
         try:
-            while True:  # woken up regularly so a signal's handler runs (see eagle3_assets/interrupts.py)
-                with contextlib.suppress(concurrent.futures.TimeoutError):
-                    return future.result(timeout=0.2)
+            while not future.done():  # woken up regularly so a signal's handler runs (see eagle3_assets/interrupts.py)
+                concurrent.futures.wait([future], timeout=0.2)
+            return future.result()
         except BaseException:
             future.cancel()  # a stop request: cancel the requests in flight (the sweep removes their files)
             raise

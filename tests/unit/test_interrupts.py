@@ -64,6 +64,7 @@ def test_a_signal_cancels_the_coroutine_and_its_cleanup_runs(raising_sigint: Non
     assert events == ["started", "cleaned up"]
 
 
+@pytest.mark.timeout(30)
 def test_results_and_errors_pass_through() -> None:
     async def answer() -> int:
         await asyncio.sleep(0)
@@ -72,6 +73,11 @@ def test_results_and_errors_pass_through() -> None:
     async def fail() -> None:
         raise ValueError("boom")
 
+    async def times_out() -> None:
+        raise TimeoutError("the coroutine's own timeout, not the wait's")
+
     assert run_interruptible(answer()) == 42
     with pytest.raises(ValueError, match="boom"):
         run_interruptible(fail())
+    with pytest.raises(TimeoutError, match="own timeout"):
+        run_interruptible(times_out())
