@@ -166,6 +166,7 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, within_s: float = S
     except subprocess.TimeoutExpired:
         code = None
     seconds = time.monotonic() - started
+    print(f"{signal.Signals(sig).name}: exited with {code} after {seconds:.1f} s")  # shown with pytest -s
     time.sleep(0.5)  # a child ended by the process's own cleanup may take a moment to be reaped
     return Stopped(code, seconds, alive(tree | descendants(proc.pid)))
 
