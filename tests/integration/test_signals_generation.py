@@ -27,6 +27,8 @@ from support.signals import (
     wait_until,
 )
 
+pytestmark = [pytest.mark.slow]
+
 KEY = "00000"
 PROMPTS = 16
 

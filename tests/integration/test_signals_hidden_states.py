@@ -25,7 +25,7 @@ from support.signals import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "00000"
 
 

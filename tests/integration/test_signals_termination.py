@@ -9,6 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pytest
 from dagster_graphql import DagsterGraphQLClient
 
 from eagle3_assets.generation.journal import read_journal
@@ -27,6 +28,8 @@ from support.signals import (
     run,
     wait_until,
 )
+
+pytestmark = [pytest.mark.slow]
 
 KEY = "00000"
 PROMPTS = 16
