@@ -7,6 +7,8 @@ Kept apart from ``local/vllm_server.py`` so the server module calls a few functi
   (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, which survives ``exec``) to send it SIGTERM when the thread that started it
   dies, SIGKILL included; vLLM's SIGTERM path then stops its engine core. If the parent died before the prologue
   ran (the race the man page warns of), the child stops itself. Detached servers (``start``) do not use it.
+* Launchers: :func:`with_parent_death_signal` wraps any command (torchrun) in a tiny exec wrapper that asks for the
+  same signal, so a SIGKILLed Dagster step does not leave training running and its lock held.
 * Ownership: :func:`write_marker` records every server started here (pid, port, model folder, served name) in a
   per-user folder; :func:`reuse_refusal` accepts a running server only when such a record exists, its pid is alive
   and still runs vLLM on that port for that model folder, and it serves that name.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,6 +37,25 @@ DEATHSIG_PROLOGUE = (
     f"_p = _o.environ.get('{PARENT_PID_ENV}'); "
     "(_p and _o.getppid() != int(_p)) and _o._exit(0); "
 )
+
+
+def with_parent_death_signal(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """``command`` behind an exec wrapper that first asks the kernel to send it ``sig`` when the thread that starts
+    it dies (Linux ``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``); elsewhere ``command`` unchanged.
+
+    Start the result from the thread that lives as long as the command should (Dagster's step thread). The wrapper
+    exits at once when its parent is already gone (the race the man page warns of): the process starting it is this
+    one, whose pid is written into the wrapper.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    code = (
+        "import ctypes, os, sys; "
+        f"ctypes.CDLL(None, use_errno=True).prctl(1, {int(sig)}, 0, 0, 0); "
+        f"os.getppid() != {os.getpid()} and os._exit(1); "
+        "os.execvp(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", code, *command]
 
 
 class KeyInArgumentsError(ValueError):

@@ -27,6 +27,7 @@ from eagle3_assets.generation.fingerprint import (
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
+from eagle3_assets.interrupts import run_interruptible
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
 
@@ -195,27 +196,8 @@ async def _generate(
 
 
 def run_async(coro: Any) -> Any:
-    """Run a coroutine on a fresh event loop (uvloop when installed: less CPU per request).
-
-    Called from a thread whose event loop is already running (an async caller), it runs on a helper thread.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generation") as executor:
-            return executor.submit(run_async, coro).result()
-    try:
-        import uvloop
-
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is declared for every platform but Windows, which lacks it
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+    """Run a coroutine so that SIGINT, SIGTERM and Dagster's run termination stop it (``interrupts.py``)."""
+    return run_interruptible(coro)
 
 
 # Bytes a journal line takes beyond its prompt text even for a short answer: ids, sampling params, the

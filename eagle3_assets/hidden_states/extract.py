@@ -347,7 +347,8 @@ def _run_backend(backend: Any, pending: list[Row], data_dir: Path, storage: str,
     written = 0
     futures: list[Future[int]] = []
     done_batches = 0
-    with ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="hs-writer") as writer:
+    writer = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="hs-writer")
+    try:
         for batch in batches:
             samples = [pending[i] for i in batch]
             states = backend.extract([s.input_ids for s in samples])
@@ -362,6 +363,12 @@ def _run_backend(backend: Any, pending: list[Row], data_dir: Path, storage: str,
                 say(f"  {done_batches}/{len(batches)} batches")
         for future in futures:
             written += future.result()
+    except BaseException:
+        # a stop request or an error: finish the files being written, drop the queued ones (the next run computes
+        # them) instead of fsyncing up to 256 more files before stopping
+        writer.shutdown(wait=True, cancel_futures=True)
+        raise
+    writer.shutdown()
     return written
 
 

@@ -222,8 +222,16 @@ class VLLMBackend:
         return pool, clients, model
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        import concurrent.futures
+
         future = asyncio.run_coroutine_threadsafe(self._extract_all([list(ids) for ids in batch]), self._loop)
-        return future.result()
+        try:
+            while not future.done():  # woken up regularly so a signal's handler runs (see eagle3_assets/interrupts.py)
+                concurrent.futures.wait([future], timeout=0.2)
+            return future.result()
+        except BaseException:
+            future.cancel()  # a stop request: cancel the requests in flight (the sweep removes their files)
+            raise
 
     async def _extract_all(self, batch: list[list[int]]) -> list[torch.Tensor]:
         gate = asyncio.Semaphore(self.options.concurrency)

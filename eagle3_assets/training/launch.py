@@ -9,8 +9,9 @@ happen, and writes the :class:`~eagle3_assets.training.config.TrainResult` as JS
 Failure and cleanup: torchrun runs with ``--max-restarts 0``; when one rank dies (killed, out of memory, an
 exception) it stops the others and exits non-zero, and the launcher raises :class:`TrainingFailed` naming the
 newest checkpoint the next run resumes from. Each worker asks the kernel to kill it if torchrun itself dies
-(``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no rank behind. The rendezvous and gloo listen on
-127.0.0.1 only.
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no rank behind; torchrun itself is started behind
+:func:`~eagle3_assets.process_guard.with_parent_death_signal`, so a SIGKILLed Dagster step takes torchrun down
+too. The rendezvous and gloo listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -56,13 +57,17 @@ class TrainSpec:
 
 
 def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
-    """``torchrun`` (as ``python -m torch.distributed.run``, so it is this interpreter's) for ``procs`` local ranks."""
-    return [
+    """``torchrun`` (as ``python -m torch.distributed.run``, so it is this interpreter's) for ``procs`` local ranks,
+    behind the parent-death wrapper: torchrun gets SIGTERM (and stops its ranks) when the process that starts it
+    dies, SIGKILL included, so a killed step leaves no training running and no ``draft_model`` lock held."""
+    from eagle3_assets.process_guard import with_parent_death_signal
+
+    return with_parent_death_signal([
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(procs), "--max-restarts", "0",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "-m", "eagle3_assets.training.launch", str(spec_path),
-    ]  # fmt: skip
+    ])  # fmt: skip
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -131,13 +136,13 @@ def _open_pipes(rank: int) -> Any:
 
 def worker_main(spec_path: Path) -> int:
     """One torchrun rank: join the group, train, and (rank 0) report to Pipes and write the result."""
+    _die_with_parent()  # first: the imports below take seconds, a window in which torchrun could die unnoticed
     import torch
     import torch.distributed as dist
 
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training.loop import train_draft
 
-    _die_with_parent()
     spec = TrainSpec.read(spec_path)
     config = TrainConfig(**spec.config)
     world = int(os.environ.get("WORLD_SIZE", "1"))

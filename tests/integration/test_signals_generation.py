@@ -1,0 +1,72 @@
+"""Issue 22: a generating run stops on SIGTERM and SIGINT (the real ``dagster asset materialize`` in a subprocess,
+against a slow fake server), keeps what it journaled, leaves no process, marks nothing materialized, and a re-run
+resumes and completes."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from eagle3_assets.generation.journal import read_journal
+from eagle3_assets.storage import DataLayout
+from support.fake_vllm import FakeConfig, FakeServerProcess
+from support.signals import (
+    STOP_WITHIN_S,
+    cleanup,
+    journal_lines,
+    log_text,
+    make_pipeline,
+    materialize_command,
+    run,
+    signal_and_wait,
+    start,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow]
+
+KEY = "00000"
+PROMPTS = 16
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_generating_run_stops_on_a_signal_keeps_its_rows_and_resumes(tmp_path: Path, sig: signal.Signals) -> None:
+    # ~100 tokens at 15 tok/s: about 7 s a response, 4 in flight: the partition would take ~30 s
+    fake = FakeConfig(token_rate=15, median_tokens=100, sigma=0.3)
+    with FakeServerProcess(fake) as server:
+        pipeline = make_pipeline(
+            tmp_path, PROMPTS, PROMPTS, server.base_url, EAGLE3_CONCURRENCY="4", EAGLE3_MAX_TOKENS="400"
+        )
+        assert run(pipeline, materialize_command("raw_prompts"), "raw_prompts") == 0, log_text(pipeline, "raw_prompts")
+        layout = DataLayout.at(pipeline.data_dir)
+        journal = layout.responses_in_progress_path(KEY)
+        with cleanup(start(pipeline, materialize_command("synthetic_responses", KEY), "generate")) as proc:
+            wait_until(lambda: journal_lines(journal) >= 2, proc, 120, "two journaled rows")
+            stopped = signal_and_wait(proc, sig)
+        output = log_text(pipeline, "generate")
+        assert stopped.code is not None, f"still running {STOP_WITHIN_S:.0f} s after {sig.name}:\n{output[-3000:]}"
+        assert stopped.code != 0, output[-3000:]
+        assert stopped.seconds < STOP_WITHIN_S
+        assert not stopped.left_behind, f"processes left running: {stopped.left_behind}"
+        # the rows finished before the signal stay journaled; no partition file, nothing materialized
+        kept = read_journal(journal).records
+        assert 2 <= len(kept) < PROMPTS
+        assert not layout.responses_path(KEY).exists()
+        with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
+            assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None
+            runs = instance.get_runs()
+            assert runs and runs[0].status == dg.DagsterRunStatus.FAILURE
+
+        server.reset_stats()
+        assert run(pipeline, materialize_command("synthetic_responses", KEY), "resume") == 0, log_text(
+            pipeline, "resume"
+        )
+        requested = server.stats()["total_requests"]
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.height == PROMPTS and set(frame["status"]) == {"ok"}
+    assert requested == PROMPTS - len(kept)  # the resume asked only for what was not journaled
+    assert f"{len(kept)} already ok on disk" in log_text(pipeline, "resume")

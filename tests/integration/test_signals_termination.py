@@ -1,0 +1,104 @@
+"""Issue 22: "Terminate" in the Dagster UI (GraphQL ``terminateRun``, what the UI's button sends) stops a generating
+run launched by the DefaultRunLauncher: the run ends CANCELED within 30 s, its run worker is gone, the rows it
+finished stay journaled, nothing is marked materialized, and a re-run resumes and completes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+from dagster_graphql import DagsterGraphQLClient
+
+from eagle3_assets.generation.journal import read_journal
+from eagle3_assets.storage import DataLayout
+from support.fake_vllm import FakeConfig, FakeServerProcess
+from support.operations import dagster_process, wait_for, write_workspace
+from support.reliability import free_port
+from support.signals import (
+    STOP_WITHIN_S,
+    alive,
+    descendants,
+    journal_lines,
+    log_text,
+    make_pipeline,
+    materialize_command,
+    run,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow]
+
+KEY = "00000"
+PROMPTS = 16
+
+# Runs are launched at once by the DefaultRunLauncher (no daemon, no queue): the webserver's code server starts
+# the run worker, and terminateRun goes back through it (the run worker sends itself SIGINT).
+DAGSTER_YAML = """\
+telemetry:
+  enabled: false
+run_coordinator:
+  module: dagster._core.run_coordinator
+  class: DefaultRunCoordinator
+"""
+
+
+def _webserver_up(client: DagsterGraphQLClient) -> bool:
+    try:
+        client._execute("{ version }")  # the client has no public health query
+    except Exception:
+        return False
+    return True
+
+
+def _run_worker_tree(home: Path, run_id: str) -> set[int]:
+    """The run worker's pid (from its RUN_START event) and every process below it."""
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        (start,) = instance.all_logs(run_id, of_type=dg.DagsterEventType.RUN_START)
+    assert start.dagster_event is not None and start.dagster_event.pid is not None
+    return {start.dagster_event.pid, *descendants(start.dagster_event.pid)}
+
+
+def test_terminate_from_the_ui_cancels_a_generating_run_which_then_resumes(tmp_path: Path) -> None:
+    fake = FakeConfig(token_rate=15, median_tokens=100, sigma=0.3)  # ~7 s a response: ~30 s for the partition
+    with FakeServerProcess(fake) as server:
+        pipeline = make_pipeline(
+            tmp_path, PROMPTS, PROMPTS, server.base_url, EAGLE3_CONCURRENCY="4", EAGLE3_MAX_TOKENS="400"
+        )
+        (pipeline.home / "dagster.yaml").write_text(DAGSTER_YAML)
+        assert run(pipeline, materialize_command("raw_prompts"), "raw_prompts") == 0, log_text(pipeline, "raw_prompts")
+        layout = DataLayout.at(pipeline.data_dir)
+        journal = layout.responses_in_progress_path(KEY)
+        workspace = write_workspace(tmp_path)
+        port = free_port()
+        args = ["dagster-webserver", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
+        with dagster_process(args, pipeline.env, tmp_path, pipeline.log_path("webserver")) as webserver:
+            client = DagsterGraphQLClient("127.0.0.1", port_number=port)
+            wait_for(lambda: _webserver_up(client), 180, "the webserver", interval_s=0.5)
+            run_id = client.submit_job_execution(
+                "__ASSET_JOB", asset_selection=["synthetic_responses"], tags={"dagster/partition": KEY}
+            )
+            wait_until(lambda: journal_lines(journal) >= 2, webserver, 180, "two journaled rows")
+            workers = _run_worker_tree(pipeline.home, run_id)
+            started = time.monotonic()
+            client.terminate_run(run_id)
+            wait_for(lambda: client.get_run_status(run_id).value == "CANCELED", STOP_WITHIN_S, "CANCELED", 0.25)
+            seconds = time.monotonic() - started
+            wait_for(lambda: not alive(workers), 10, "the run worker to exit", 0.25)
+        assert seconds < STOP_WITHIN_S
+        kept = read_journal(journal).records
+        assert 2 <= len(kept) < PROMPTS
+        assert not layout.responses_path(KEY).exists()
+        with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
+            assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None
+
+        server.reset_stats()
+        assert run(pipeline, materialize_command("synthetic_responses", KEY), "resume") == 0, log_text(
+            pipeline, "resume"
+        )
+        requested = server.stats()["total_requests"]
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.height == PROMPTS and set(frame["status"]) == {"ok"}
+    assert requested == PROMPTS - len(kept)

@@ -1,0 +1,145 @@
+"""Issue 22: ``draft_model`` trained by torchrun (``EAGLE3_TRAIN_PROCS=2``, under Dagster Pipes) through the real
+``dagster asset materialize``:
+
+- SIGTERM to the CLI stops torchrun and its ranks within 30 s, the run fails, the checkpoints written stay, the lock
+  is free, and a re-run resumes after the last checkpoint;
+- SIGKILL of the CLI (no cleanup can run) still takes torchrun and its ranks down (torchrun's parent-death signal)
+  and frees the ``draft_model`` lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets import storage
+from eagle3_assets.storage import DataLayout
+from support.signals import (
+    STOP_WITHIN_S,
+    Pipeline,
+    alive,
+    cleanup,
+    descendants,
+    log_text,
+    make_pipeline,
+    materialize_command,
+    run,
+    signal_and_wait,
+    start,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+KEYS = ["00000", "00001", "00002"]
+RUN_CONFIG = {
+    "ops": {"draft_model": {"config": {"epochs": 4, "tokens_per_batch": 1536, "max_val_batches": 4, "num_threads": 1}}}
+}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a data dir with 3 hidden_states partitions whose checks passed and a vocabulary mapping, the verifier)."""
+    from eagle3_assets import lineage
+    from eagle3_assets.hidden_states import (
+        HiddenStatesConfig,
+        check_finite,
+        check_one_per_ok_response,
+        check_token_ids,
+        extract_partition,
+    )
+    from eagle3_assets.training import build_vocab_mapping
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+    verifier = cached_tiny_verifier()
+    layout = DataLayout.at(tmp_path_factory.mktemp("signals-training") / "data")
+    for key in KEYS:
+        fabricate_responses(layout, key, 48, min_words=20, max_words=40)
+        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
+        digest = storage.file_digest(layout.responses_path(key))
+        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
+        checks = (check_token_ids, check_finite, check_one_per_ok_response)
+        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
+    build_vocab_mapping(layout, KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
+    return layout.root, verifier
+
+
+def _pipeline(root: Path, prepared: tuple[Path, Path]) -> tuple[Pipeline, DataLayout]:
+    import shutil
+
+    data, verifier = prepared
+    pipeline = make_pipeline(
+        root, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(verifier), EAGLE3_LAYER_IDS="1,2,3",
+        EAGLE3_TRAIN_PROCS="2",
+    )  # fmt: skip
+    for asset in ("synthetic_responses", "hidden_states", "vocab_mapping"):
+        shutil.copytree(data / asset, pipeline.data_dir / asset, ignore=shutil.ignore_patterns("_locks"))
+    return pipeline, DataLayout.at(pipeline.data_dir)
+
+
+def _train_command() -> list[str]:
+    return [*materialize_command("draft_model"), "--config-json", json.dumps(RUN_CONFIG)]
+
+
+def _lock_is_free(layout: DataLayout) -> bool:
+    try:
+        with storage.exclusive_lock(layout.lock_path("draft_model"), "draft_model (test)"):
+            return True
+    except storage.PartitionBusyError:
+        return False
+
+
+def _ranks(pid: int) -> set[int]:
+    def is_rank(child: int) -> bool:
+        try:
+            return b"eagle3_assets.training.launch" in Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    return {child for child in descendants(pid) if is_rank(child)}
+
+
+def test_sigterm_stops_torchrun_and_its_ranks_and_the_next_run_resumes(
+    tmp_path: Path, prepared: tuple[Path, Path]
+) -> None:
+    pipeline, layout = _pipeline(tmp_path, prepared)
+    first = layout.draft_model_dir / "checkpoints" / "epoch_0001.pt"
+    with cleanup(start(pipeline, _train_command(), "train")) as proc:
+        wait_until(first.exists, proc, 400, "the first checkpoint")
+        ranks = _ranks(proc.pid)
+        assert len(ranks) >= 2, ranks  # the wrapper execs torchrun, which starts the ranks (+ the launcher itself)
+        stopped = signal_and_wait(proc, signal.SIGTERM)
+    output = log_text(pipeline, "train")
+    assert stopped.code is not None, f"still running {STOP_WITHIN_S:.0f} s after SIGTERM:\n{output[-3000:]}"
+    assert stopped.code != 0 and stopped.seconds < STOP_WITHIN_S, output[-3000:]
+    assert not stopped.left_behind, f"processes left running: {stopped.left_behind}"
+    assert _lock_is_free(layout)
+    assert not (layout.draft_model_dir / "final").exists()
+    assert run(pipeline, _train_command(), "resume", timeout_s=600) == 0, log_text(pipeline, "resume")[-3000:]
+    assert "draft_model: resuming after epoch" in log_text(pipeline, "resume")
+    assert (layout.draft_model_dir / "final" / "config.json").exists()
+
+
+def test_sigkill_of_the_step_takes_torchrun_down_and_frees_the_lock(
+    tmp_path: Path, prepared: tuple[Path, Path]
+) -> None:
+    pipeline, layout = _pipeline(tmp_path, prepared)
+    with cleanup(start(pipeline, _train_command(), "train")) as proc:
+        wait_until(lambda: not _lock_is_free(layout), proc, 400, "rank 0 to hold the draft_model lock")
+        tree = descendants(proc.pid)
+        assert len(_ranks(proc.pid)) >= 2
+        os.kill(proc.pid, signal.SIGKILL)  # no handler, no finally: only the kernel can clean up
+        proc.wait(10)
+        deadline = time.monotonic() + STOP_WITHIN_S
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        left = alive(tree)
+        for pid in left:  # the test's own cleanup: a torchrun that survived would train on for minutes
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived the SIGKILLed step: {left}"
+    assert _lock_is_free(layout)

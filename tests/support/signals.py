@@ -1,0 +1,225 @@
+"""Helpers for the signal tests (``tests/integration/test_signals_*.py``): the real ``dagster`` CLI in a subprocess
+with its own DAGSTER_HOME and data dir, a signal sent to it, and the process tree it leaves. No tests here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from support.common import child_env
+from support.operations import make_dagster_home, pipeline_env, write_prompts
+
+# The issue's bound: a run stops within 30 s of the signal (the code aims at a few seconds).
+STOP_WITHIN_S = 30.0
+MODULE = "eagle3_assets.definitions"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A DAGSTER_HOME, a data dir and a prompt file for one test, and the environment the CLI runs in."""
+
+    root: Path
+    home: Path
+    data_dir: Path
+    env: dict[str, str]
+
+    def log_path(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
+
+def make_pipeline(root: Path, prompts: int, partition_size: int, base_url: str, **extra: str) -> Pipeline:
+    home = make_dagster_home(root)
+    data_dir = root / "data"
+    env = {**pipeline_env(data_dir, write_prompts(root, prompts), partition_size, base_url, home), **extra}
+    return Pipeline(root, home, data_dir, child_env(**env))
+
+
+def _default_signals() -> None:
+    # A process started from a backgrounded shell inherits SIGINT ignored; a terminal's Ctrl-C or `kill -INT`
+    # reaches a process whose handlers are the defaults, so give them back (Python then installs its own).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def dagster_command(*args: str) -> list[str]:
+    """``dagster ARGS`` from this venv (the console script next to the interpreter)."""
+    return [str(Path(sys.executable).with_name("dagster")), *args]
+
+
+def materialize_command(select: str, partition: str | None = None) -> list[str]:
+    args = ["asset", "materialize", "-m", MODULE, "--select", select]
+    return dagster_command(*args, *(["--partition", partition] if partition else []))
+
+
+def start(pipeline: Pipeline, command: list[str], name: str) -> subprocess.Popen[bytes]:
+    """``command`` in its own session (so the test can find everything it started), output to ``name``.log."""
+    with open(pipeline.log_path(name), "ab") as log:
+        return subprocess.Popen(
+            command,
+            env=pipeline.env,
+            cwd=pipeline.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_signals,
+        )
+
+
+def run(pipeline: Pipeline, command: list[str], name: str, timeout_s: float = 300.0) -> int:
+    """Run ``command`` to its end; returns its exit code."""
+    proc = start(pipeline, command, name)
+    try:
+        return proc.wait(timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait(10)
+
+
+def log_text(pipeline: Pipeline, name: str) -> str:
+    return pipeline.log_path(name).read_text(errors="replace")
+
+
+def _ppid_map() -> dict[int, int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_text()
+            fields = stat.rsplit(")", 1)[-1].split()
+            if fields[0] != "Z":  # a zombie has exited: it holds nothing
+                parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children that started their own session included)."""
+    parents = _ppid_map()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (zombies count as gone)."""
+    return set(_ppid_map()) & pids
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything below it (test cleanup only)."""
+    for target in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+
+
+@contextmanager
+def cleanup(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """Whatever the test asserts, nothing it started outlives it."""
+    seen: set[int] = set()
+    try:
+        yield proc
+    finally:
+        seen |= descendants(proc.pid)
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait(10)
+        for pid in alive(seen):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_until(condition: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` until true; fail at once if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the process ended (code {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    code: int | None  # None: still running after the bound (the test fails on it)
+    seconds: float
+    left_behind: set[int]  # descendants seen before the signal that still ran after the process ended
+
+
+def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, within_s: float = STOP_WITHIN_S) -> Stopped:
+    """Send ``sig`` to the process (only it: like `kill`, `timeout` or systemd) and wait up to ``within_s``."""
+    tree = descendants(proc.pid)
+    started = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        code: int | None = proc.wait(within_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    seconds = time.monotonic() - started
+    print(f"{signal.Signals(sig).name}: exited with {code} after {seconds:.1f} s")  # shown with pytest -s
+    time.sleep(0.5)  # a child ended by the process's own cleanup may take a moment to be reaped
+    return Stopped(code, seconds, alive(tree | descendants(proc.pid)))
+
+
+def journal_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+class HangingServer:
+    """An OpenAI-compatible server that lists one model and never answers a POST (a stuck extraction server):
+    ``with HangingServer("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
+
+    def __init__(self, model: str) -> None:
+        import http.server
+        import json
+        import threading
+
+        outer = self
+        self.posts = 0
+        self._release = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                body = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                outer.posts += 1
+                outer._release.wait(600)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> HangingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
