@@ -34,6 +34,9 @@ from pydantic import Field, ValidationError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SAMPLE_PROMPTS_PATH = PACKAGE_DIR / "data" / "sample_prompts.jsonl"
+# How long every server may stay down before a run gives up (generation's EAGLE3_OUTAGE_BUDGET_S and the extraction
+# client's EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S): long enough for a server restart, far short of hours of probing.
+OUTAGE_BUDGET_S = 900.0
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from eagle3_assets.settings import check_base_urls
+from eagle3_assets.settings import OUTAGE_BUDGET_S, check_base_urls
 from eagle3_assets.settings import fail as _fail
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
@@ -76,6 +76,8 @@ class GenerationConfig:
     backoff_max_s: float = 60.0
     bench_after_failures: int = 5  # consecutive retryable failures before an endpoint is benched
     bench_s: float = 30.0  # first bench period; doubles while probes keep failing
+    # every endpoint down (benched for outages) this long: the run stops with an error instead of probing on
+    outage_budget_s: float = OUTAGE_BUDGET_S
     fsync_interval_s: float = 2.0
     progress_interval_s: float = 5.0
 
@@ -104,6 +106,7 @@ class GenerationConfig:
             "idle_timeout_s",
             "backoff_max_s",
             "bench_s",
+            "outage_budget_s",
             "fsync_interval_s",
             "progress_interval_s",
             "capacity_poll_s",
