@@ -190,6 +190,15 @@ class VerifierResource(SettingsResource):
         env="EAGLE3_HIDDEN_STATES_STORAGE",
         description="`vllm` backend: local mount of the servers' `shared_storage_path`; empty: the server's path.",
     )
+    hidden_states_outage_budget_s: float = setting(
+        settings.OUTAGE_BUDGET_S,
+        env="EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S",
+        description=(
+            "`vllm` backend: seconds every extraction server may stay down (refused, reset, timed out, 5xx) before "
+            "the run stops with an error; stored samples are kept."
+        ),
+        gt=0,
+    )
     train_procs: int = setting(
         1, env="EAGLE3_TRAIN_PROCS", description="draft_model training processes (torchrun ranks).", gt=0
     )
