@@ -155,7 +155,8 @@ def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hid
     except ExtractionError:
         raise
     except Exception as error:  # SafetensorError, or whatever a broken header raises: left in place
-        raise ExtractionError(f"{path.name} is not a readable safetensors file ({type(error).__name__}: {error})") from None
+        why = f"{type(error).__name__}: {error}"
+        raise ExtractionError(f"{path.name} is not a readable safetensors file ({why})") from None
     states, stored_ids = tensors.get("hidden_states"), tensors.get("token_ids")
     if states is None or stored_ids is None:
         raise ExtractionError(f"{path.name}: keys {sorted(tensors)}, expected hidden_states and token_ids")
@@ -245,8 +246,8 @@ class VLLMBackend:
                 urls, storage = self._start_embedded(Path(verifier_path))
             elif not storage:
                 raise ConfigError(
-                    "EAGLE3_HIDDEN_STATES_STORAGE is empty: with extraction servers (EAGLE3_HIDDEN_STATES_URL) set it to "
-                    "this machine's mount of the servers' shared_storage_path; the client reads and deletes files "
+                    "EAGLE3_HIDDEN_STATES_STORAGE is empty: with extraction servers (EAGLE3_HIDDEN_STATES_URL) set "
+                    "it to this machine's mount of the servers' shared_storage_path; the client reads and deletes files "
                     "only under it, never wherever a reply points"
                 )
             elif Path(storage).is_dir():
@@ -340,9 +341,8 @@ class VLLMBackend:
         code = process.poll() if process is not None else None
         if code is not None:
             log = getattr(self._server, "log_path", None)
-            raise self._stop(
-                ExtractionStopped(f"the embedded extraction server (pid {process.pid}) exited with code {code}; log: {log}")
-            )
+            what = f"the embedded extraction server (pid {process.pid}) exited with code {code}"
+            raise self._stop(ExtractionStopped(f"{what}; log: {log}"))
 
     async def _acquire(self) -> Any:
         while True:

@@ -51,7 +51,8 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
     def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
         meta = super().build_connector_meta(scheduler_output)
         for req_id, filename in list(meta.new_req_filenames.items()):
-            if filename == os.path.join(self._storage_path, f"{req_id}.safetensors"):  # the default name, not a custom one
+            # the default name only, never a custom path
+            if filename == os.path.join(self._storage_path, f"{req_id}.safetensors"):
                 ours = os.path.join(self._storage_path, f"{FILE_PREFIX}{req_id}.safetensors")
                 meta.new_req_filenames[req_id] = ours
                 self._request_filenames[req_id] = ours
