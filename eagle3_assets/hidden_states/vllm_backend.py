@@ -247,8 +247,8 @@ class VLLMBackend:
             elif not storage:
                 raise ConfigError(
                     "EAGLE3_HIDDEN_STATES_STORAGE is empty: with extraction servers (EAGLE3_HIDDEN_STATES_URL) set "
-                    "it to this machine's mount of the servers' shared_storage_path; the client reads and deletes files "
-                    "only under it, never wherever a reply points"
+                    "it to this machine's mount of the servers' shared_storage_path; the client reads and deletes "
+                    "files only under it, never wherever a reply points"
                 )
             elif Path(storage).is_dir():
                 swept = sweep_stale_files(Path(storage), 2 * self.options.timeout_s)
