@@ -48,6 +48,8 @@ class FakeConfig:
     hang_s: float = 3600.0
     revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
     revoke_status: int = 401
+    outage_after: int = 0  # > 0: chat requests after this many are answered outage_status (the server went down)
+    outage_status: int = 503
     max_num_seqs: int = 0  # sequences generating at once; beyond it requests wait (0 = no limit)
     metrics: bool = True  # serve GET /metrics (vLLM's scheduler gauges)
     faults: dict[str, float] = field(default_factory=dict)

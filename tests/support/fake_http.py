@@ -35,6 +35,7 @@ _REASONS = {
     404: "Not Found",
     429: "Too Many Requests",
     500: "Internal Server Error",
+    503: "Service Unavailable",
 }
 
 
@@ -229,6 +230,11 @@ class _Connection(asyncio.Protocol):
             stats.outcomes["revoked"] += 1
             status = config.revoke_status
             self.respond(status, _error_body(status, "the API key was revoked", "AuthenticationError"))
+            return
+        if config.outage_after and stats.total > config.outage_after:
+            stats.outcomes["outage"] += 1
+            status = config.outage_status
+            self.respond(status, _error_body(status, "the engine is down", "ServiceUnavailable"))
             return
         model = request.get("model")
         if model != config.model:
