@@ -52,6 +52,8 @@ class FakeConfig:
     outage_status: int = 503
     max_num_seqs: int = 0  # sequences generating at once; beyond it requests wait (0 = no limit)
     metrics: bool = True  # serve GET /metrics (vLLM's scheduler gauges)
+    # "" (honest) or a lie in the gauges: "nan" (running NaN), "negative" (running -50), "huge" (waiting 1e9)
+    metrics_lie: str = ""
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
