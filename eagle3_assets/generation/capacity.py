@@ -337,7 +337,8 @@ class CapacityMonitor:
     async def _fetch(self, url: str) -> tuple[int, str] | None:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                async with self._client().get(self._urls[url]) as response:
+                headers = {"Authorization": auth} if (auth := self.config.authorization(url)) else None
+                async with self._client().get(self._urls[url], headers=headers) as response:
                     return response.status, (await response.text()) if response.status == 200 else ""
         except Exception:  # timeout, refused, reset: no information this round
             return None
@@ -346,11 +347,8 @@ class CapacityMonitor:
         if self._session is None:  # created on the running loop (an aiohttp session binds to it)
             from eagle3_assets.generation.transport import aiohttp_session
 
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            timeout_s = self.config.connect_timeout_s
-            self._session = aiohttp_session(
-                limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s, headers=headers
-            )
+            timeout_s = self.config.connect_timeout_s  # the Authorization header goes per request (per server)
+            self._session = aiohttp_session(limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s)
         return self._session
 
     def summary(self) -> dict[str, dict[str, Any]]:

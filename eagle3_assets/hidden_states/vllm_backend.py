@@ -286,15 +286,24 @@ class VLLMBackend:
     def _connect(self, urls: list[str]) -> tuple[Any, dict[str, Any], str]:
         import openai
 
-        from eagle3_assets.generation.config import display_url
+        from eagle3_assets.generation.config import display_url, split_credentials
         from eagle3_assets.generation.endpoints import EndpointPool
-        from eagle3_assets.local.vllm_server import list_models
+        from eagle3_assets.local.vllm_probe import probe_models
 
+        # credentials inside a URL become its Authorization header; the URL itself is used (and shown) without them
+        auth = dict(split_credentials(url) for url in urls)
+        urls = list(auth)
         model = self.options.model
         if model is None:
-            served = list_models(urls[0], api_key=self.options.api_key)
+            served, status = probe_models(urls[0], 5.0, self.options.api_key, authorization=auth[urls[0]])
+            if status in (401, 403):
+                raise ConfigError(
+                    f"EAGLE3_HIDDEN_STATES_URL: {display_url(urls[0])}/models answered HTTP {status}: the extraction "
+                    "server refused the API key; check EAGLE3_API_KEY (the servers' --api-key / VLLM_API_KEY)"
+                )
             if not served:
-                raise ConfigError(f"EAGLE3_HIDDEN_STATES_URL={urls[0]!r}: no model list at {urls[0]}/models")
+                why = f"HTTP {status}" if status else "no answer"
+                raise ConfigError(f"EAGLE3_HIDDEN_STATES_URL: no model list at {display_url(urls[0])}/models ({why})")
             model = served[0]
         pool = EndpointPool(urls, cap=self.options.concurrency, bench_s=self.options.bench_s, log=self._say)
         self._names = {url: display_url(url) for url in urls}
@@ -302,7 +311,12 @@ class VLLMBackend:
         async def make_clients() -> dict[str, Any]:
             # max_retries=0: retries go through the pool, which can move a sample to another server
             return {
-                url: openai.AsyncOpenAI(base_url=url, api_key=self.options.api_key or "EMPTY", max_retries=0)
+                url: openai.AsyncOpenAI(
+                    base_url=url,
+                    api_key=self.options.api_key or "EMPTY",
+                    max_retries=0,
+                    default_headers={"Authorization": auth[url]} if auth[url] else None,
+                )
                 for url in urls
             }
 
