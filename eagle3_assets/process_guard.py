@@ -56,9 +56,9 @@ def refuse_key_args(args: Sequence[str]) -> None:
         if _names_the_key(str(arg)):
             option = str(arg).split("=", 1)[0]
             raise KeyInArgumentsError(
-                f"extra_args: {option} (--api-key) is refused (a command line is visible to every user and lands in "
-                "the server log); put the key in the server's environment as VLLM_API_KEY (extra_env, or the "
-                "caller's env)"
+                f"extra_args: {option} is refused (vLLM reads it as --api-key; a command line is visible to every "
+                "user and lands in the server log); put the key in the server's environment as VLLM_API_KEY "
+                "(extra_env, or the caller's env)"
             )
 
 
