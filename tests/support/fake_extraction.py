@@ -44,13 +44,26 @@ class ExtractionFake:
     mode: str = "ok"
     status: int = 500
     target: str = ""
+    basic_auth: str | None = None  # "user:password": /v1/* requires that Authorization: Basic header
     requests: int = 0
+
+    def _refused(self, request: Any) -> Any:
+        import base64
+
+        from aiohttp import web
+
+        wanted = "Basic " + base64.b64encode((self.basic_auth or "").encode()).decode()
+        if self.basic_auth and request.headers.get("Authorization") != wanted:
+            return web.json_response({"error": {"message": "Unauthorized", "code": 401}}, status=401)
+        return None
 
     async def completions(self, request: Any) -> Any:
         from aiohttp import web
 
         self.requests += 1
         number = self.requests  # before any await: requests run concurrently
+        if (refused := self._refused(request)) is not None:
+            return refused
         body = await request.json()
         if self.mode == "status":
             error = {"error": {"message": "fake failure", "type": "x", "code": self.status}}
@@ -82,6 +95,8 @@ class ExtractionFake:
     async def models(self, request: Any) -> Any:
         from aiohttp import web
 
+        if (refused := self._refused(request)) is not None:
+            return refused
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     def app(self) -> Any:

@@ -45,6 +45,7 @@ class FakeConfig:
     reasoning_share: float = 0.6  # share of the completion tokens that are chain of thought
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
+    basic_auth: str | None = None  # "user:password": /v1/* requires "Authorization: Basic ..." (a proxy in front)
     hang_s: float = 3600.0
     revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
     revoke_status: int = 401

@@ -49,6 +49,12 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def _basic(pair: str) -> str:
+    import base64
+
+    return "Basic " + base64.b64encode(pair.encode()).decode()
+
+
 def _error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
 
@@ -176,6 +182,10 @@ class _Connection(asyncio.Protocol):
         key = app.config.api_key
         if key and path.startswith("/v1/") and headers.get("authorization") != f"Bearer {key}":
             self.respond(401, _error_body(401, "Unauthorized", "Unauthorized"))
+            return
+        basic = app.config.basic_auth
+        if basic and path.startswith(("/v1/", "/metrics")) and headers.get("authorization") != _basic(basic):
+            self.respond(401, _error_body(401, "Unauthorized (basic auth)", "Unauthorized"))
             return
         if method == "GET" and path == "/v1/models":
             data = {
