@@ -59,6 +59,22 @@ class SettingsConfig(dg.Config):
             raise settings.as_config_error(error) from None
 
 
+def check_writable_dir(root: Path, key: str, value: str) -> None:
+    """Create ``root`` if needed and write a probe file in it: a run fails at its start with the key and the remedy,
+    not with a raw OSError on the first lock file (``_locks``) deep inside a step."""
+    import tempfile
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{key}={value!r}: cannot write there ({type(error).__name__}: {error.strerror or error}); set {key} to "
+            "a folder this user can write (or fix its permissions, mount or free space)"
+        ) from None
+
+
 class DataStoreResource(SettingsResource):
     """Where every asset's files live. One folder per asset, one file per partition."""
 
@@ -74,6 +90,7 @@ class DataStoreResource(SettingsResource):
         root = Path(self.data_dir).expanduser()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"EAGLE3_DATA_DIR={self.data_dir!r}: exists and is not a directory")
+        check_writable_dir(root, "EAGLE3_DATA_DIR", self.data_dir)
 
     @property
     def layout(self) -> DataLayout:
