@@ -60,13 +60,18 @@ class SettingsConfig(dg.Config):
 
 
 def check_writable_dir(root: Path, key: str, value: str) -> None:
-    """Create ``root`` if needed and write a probe file in it: a run fails at its start with the key and the remedy,
-    not with a raw OSError on the first lock file (``_locks``) deep inside a step."""
+    """Write (and remove) a probe file in ``root``, or in its nearest existing ancestor when it does not exist yet
+    (nothing is left behind): a run fails at its start with the key and the remedy, not with a raw OSError on the
+    first lock file (``_locks``) deep inside a step."""
     import tempfile
 
+    folder = root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+        if not folder.is_dir():
+            raise NotADirectoryError(20, f"{folder} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".eagle3-write-check-"):
             pass
     except OSError as error:
         raise ConfigError(
