@@ -62,13 +62,26 @@ class KeyInArgumentsError(ValueError):
     """An API key was given as a command-line argument."""
 
 
+def _names_the_key(arg: str) -> bool:
+    """Whether vLLM's argument parser reads ``arg`` as ``--api-key``: it turns ``_`` into ``-`` in option names
+    (``--api_key``), takes ``--opt=value``, and argparse accepts any unambiguous prefix (``--api-k``). Every prefix of
+    ``api-key`` from two letters on is refused: one that vLLM finds ambiguous fails there anyway."""
+    if not arg.startswith("--"):
+        return False
+    name = arg[2:].split("=", 1)[0].replace("_", "-").lower()
+    return len(name) >= 2 and "api-key".startswith(name)
+
+
 def refuse_key_args(args: Sequence[str]) -> None:
-    """Raise when ``args`` carry ``--api-key`` (the message never repeats the value)."""
+    """Raise when ``args`` carry the API key option in any spelling vLLM accepts (the message never repeats the
+    value)."""
     for arg in args:
-        if str(arg) == "--api-key" or str(arg).startswith("--api-key="):
+        if _names_the_key(str(arg)):
+            option = str(arg).split("=", 1)[0]
             raise KeyInArgumentsError(
-                "extra_args: --api-key is refused (a command line is visible to every user and lands in the server "
-                "log); put the key in the server's environment as VLLM_API_KEY (extra_env, or the caller's env)"
+                f"extra_args: {option} is refused (vLLM reads it as --api-key; a command line is visible to every "
+                "user and lands in the server log); put the key in the server's environment as VLLM_API_KEY "
+                "(extra_env, or the caller's env)"
             )
 
 

@@ -137,10 +137,22 @@ def jsonl_rows(path: Path) -> Iterator[Row]:
                 yield number, None, raw, f"invalid JSON: {error}"
 
 
+class UnreadablePromptFile(ValueError):
+    """The prompt file cannot be read at all (a corrupt Parquet file): the message names the file and the setting."""
+
+
 def parquet_rows(path: Path) -> Iterator[Row]:
     import polars as pl
 
-    frame = pl.read_parquet(path)
+    try:
+        frame = pl.read_parquet(path)
+    except (pl.exceptions.PolarsError, OSError) as error:  # ComputeError on a corrupt file, an OSError when unreadable
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UnreadablePromptFile(
+            f"EAGLE3_PROMPTS_PATH={str(path)!r}: not a readable Parquet file ({type(error).__name__}: "
+            f"{first_line[:300]}); replace the file (re-export or re-download it) or point EAGLE3_PROMPTS_PATH at a "
+            "good .parquet, .jsonl or .json file"
+        ) from None
     for number, row in enumerate(frame.iter_rows(named=True), start=1):
         yield number, row, None, None
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ from pydantic import Field, ValidationError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SAMPLE_PROMPTS_PATH = PACKAGE_DIR / "data" / "sample_prompts.jsonl"
+# How long every server may stay down before a run gives up (generation's EAGLE3_OUTAGE_BUDGET_S and the extraction
+# client's EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S): long enough for a server restart, far short of hours of probing.
+OUTAGE_BUDGET_S = 900.0
 
 
 class ConfigError(ValueError):
@@ -48,18 +52,37 @@ def fail(key: str, value: object, why: str) -> ConfigError:
 # ------------------------------------------------------------------------------------------ semantic checks
 
 
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
+
+
+def redact_url_credentials(text: str) -> str:
+    """``http://user:pw@host/v1`` -> ``http://***@host/v1`` in any text (a URL's credentials never reach a log line,
+    an error, metadata or a manifest)."""
+    return _URL_USERINFO.sub(r"\g<scheme>***@", text)
+
+
 def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
-    """OpenAI-compatible base URL(s) (``http(s)://host:port/v1``): a comma-separated string or a sequence."""
+    """OpenAI-compatible base URL(s) (``http(s)://host:port/v1``): a comma-separated string or a sequence.
+
+    A URL may carry credentials (``http://user:pw@host/v1``: sent as an Authorization header, see
+    ``generation.config.split_credentials``); an error never repeats them.
+    """
     parts = value.split(",") if isinstance(value, str) else list(value)
     urls = [str(part).strip().rstrip("/") for part in parts if str(part).strip()]
+    shown = redact_url_credentials(value) if isinstance(value, str) else [redact_url_credentials(u) for u in urls]
     if not urls:
-        raise fail(key, value, "needs at least one http(s) URL")
+        raise fail(key, shown, "needs at least one http(s) URL")
     for url in urls:
-        parsed = urlparse(url)
-        if parsed.scheme not in {"http", "https"} or not parsed.netloc:
-            raise fail(key, value, f"{url!r} is not an http(s) URL like http://127.0.0.1:8000/v1")
+        try:
+            parsed = urlparse(url)
+            parsed.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.scheme not in {"http", "https"} or not parsed.hostname:
+            why = f"{redact_url_credentials(url)!r} is not an http(s) URL like http://127.0.0.1:8000/v1"
+            raise fail(key, shown, why)
     if len(set(urls)) != len(urls):
-        raise fail(key, value, "lists the same URL twice")
+        raise fail(key, shown, "lists the same URL twice")
     return urls
 
 

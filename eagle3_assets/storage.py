@@ -318,8 +318,16 @@ def exclusive_lock(lock_path: Path, what: str) -> Iterator[None]:
 
     A second writer fails at once with a message instead of interleaving lines in the same file.
     """
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:  # same type and errno (a full disk stays a full disk), with the file and the remedy
+        raise type(error)(
+            error.errno,
+            f"cannot create the lock file of {what} ({error.strerror}); the data directory must be writable: "
+            "fix its permissions or mount, or set EAGLE3_DATA_DIR to a writable folder",
+            str(lock_path),
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

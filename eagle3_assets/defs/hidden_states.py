@@ -55,6 +55,7 @@ def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResour
             urls=tuple(verifier.hidden_states_urls()),
             storage_path=verifier.hidden_states_storage or None,
             concurrency=config.concurrency,
+            outage_budget_s=verifier.hidden_states_outage_budget_s,
             # a remote extraction deployment sits behind the same key as the generation servers
             api_key=os.environ.get("EAGLE3_API_KEY") or None,
         ),

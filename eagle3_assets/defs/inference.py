@@ -18,7 +18,7 @@ from pydantic import PrivateAttr
 
 from eagle3_assets import settings
 from eagle3_assets.defs.resources import SettingsResource, read_api_key
-from eagle3_assets.settings import setting
+from eagle3_assets.settings import OUTAGE_BUDGET_S, setting
 
 if TYPE_CHECKING:
     from eagle3_assets.generation import GenerationConfig
@@ -57,6 +57,15 @@ class InferenceServerResource(SettingsResource):
         300.0, description="Streaming only: no token for this long is a (retryable) failure, seconds.", gt=0
     )
     max_attempts: int = setting(6, description="Attempts per request before the sample is recorded failed.", gt=0)
+    outage_budget_s: float = setting(
+        OUTAGE_BUDGET_S,
+        env="EAGLE3_OUTAGE_BUDGET_S",
+        description=(
+            "Seconds every server may stay down (refused, reset, timed out, 5xx) before a generation run stops "
+            "with an error; finished rows are kept."
+        ),
+        gt=0,
+    )
     temperature: float | None = setting(
         None,
         env="EAGLE3_TEMPERATURE",
@@ -120,6 +129,7 @@ class InferenceServerResource(SettingsResource):
             return_token_ids=self.return_token_ids,
             idle_timeout_s=self.idle_timeout_s,
             max_attempts=self.max_attempts,
+            outage_budget_s=self.outage_budget_s,
         )
 
 

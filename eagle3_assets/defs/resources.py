@@ -61,6 +61,27 @@ class SettingsConfig(dg.Config):
             raise settings.as_config_error(error) from None
 
 
+def check_writable_dir(root: Path, key: str, value: str) -> None:
+    """Write (and remove) a probe file in ``root``, or in its nearest existing ancestor when it does not exist yet
+    (nothing is left behind): a run fails at its start with the key and the remedy, not with a raw OSError on the
+    first lock file (``_locks``) deep inside a step."""
+    import tempfile
+
+    folder = root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(20, f"{folder} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".eagle3-write-check-"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{key}={value!r}: cannot write there ({type(error).__name__}: {error.strerror or error}); set {key} to "
+            "a folder this user can write (or fix its permissions, mount or free space)"
+        ) from None
+
+
 class DataStoreResource(SettingsResource):
     """Where every asset's files live. One folder per asset, one file per partition."""
 
@@ -76,6 +97,7 @@ class DataStoreResource(SettingsResource):
         root = Path(self.data_dir).expanduser()
         if root.exists() and not root.is_dir():
             raise ConfigError(f"EAGLE3_DATA_DIR={self.data_dir!r}: exists and is not a directory")
+        check_writable_dir(root, "EAGLE3_DATA_DIR", self.data_dir)
 
     @property
     def layout(self) -> DataLayout:
@@ -191,6 +213,15 @@ class VerifierResource(SettingsResource):
         "",
         env="EAGLE3_HIDDEN_STATES_STORAGE",
         description="`vllm` backend: local mount of the servers' `shared_storage_path`; empty: the server's path.",
+    )
+    hidden_states_outage_budget_s: float = setting(
+        settings.OUTAGE_BUDGET_S,
+        env="EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S",
+        description=(
+            "`vllm` backend: seconds every extraction server may stay down (refused, reset, timed out, 5xx) before "
+            "the run stops with an error; stored samples are kept."
+        ),
+        gt=0,
     )
     train_procs: int = setting(
         1, env="EAGLE3_TRAIN_PROCS", description="draft_model training processes (torchrun ranks).", gt=0

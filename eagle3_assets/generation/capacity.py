@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,10 @@ from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint
 
 FIRST_REPOLL_S = 0.05
+
+# Gauges above this are no reading: no vLLM server runs or queues a million requests; a page that says so (a
+# co-tenant's queue that never drains, a broken exporter) would otherwise hold this run's cap at 0 forever.
+MAX_GAUGE = 1_000_000.0
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -64,7 +69,8 @@ class ServerLoad:
 
 def parse_load(text: str) -> ServerLoad | None:
     """The two scheduler gauges of a Prometheus text page, summed over their label sets (one per model name and
-    engine: a data-parallel server has several engines behind one URL); None when neither is present.
+    engine: a data-parallel server has several engines behind one URL); None when neither is present, or when a
+    value is NaN, negative or absurd (above :data:`MAX_GAUGE`): such a page is no reading at all.
 
     A line scan rather than ``prometheus_client.parser``: vLLM's page has ~100 series (mostly histograms) and
     only these two matter; a full parse of it costs milliseconds of the engine's CPU per poll.
@@ -86,11 +92,17 @@ def parse_load(text: str) -> ServerLoad | None:
             value = float(value_text.split()[0])
         except (IndexError, ValueError):
             continue
+        if not (0 <= value <= MAX_GAUGE):  # NaN, negative, infinite or absurd: the page is not a reading
+            return None
         sums[name] += value
         seen = True
-    if not seen:
+    if not seen or not all(0 <= total <= MAX_GAUGE for total in sums.values()):
         return None
     return ServerLoad(running=round(sums[RUNNING]), waiting=round(sums[WAITING]))
+
+
+def _has_gauges(text: str) -> bool:
+    return any(line.startswith((RUNNING, WAITING)) for line in text.splitlines())
 
 
 def metrics_url(base_url: str) -> str:
@@ -179,6 +191,12 @@ class PartitionLine:
             return True
         return True
 
+    def for_server(self, url: str) -> PartitionLine:
+        """This partition's place in the line of one server: partitions wait only behind lower keys that want room
+        on the same server (a lower key waiting on a busy server never holds a higher one off an idle one)."""
+        slug = hashlib.sha256(display_url(url).encode()).hexdigest()[:16]
+        return PartitionLine(self.directory / slug, self.key, self.stale_s)
+
     def leave(self) -> None:
         if self._registered:
             with contextlib.suppress(OSError):
@@ -204,6 +222,8 @@ class CapacityMonitor:
     ) -> None:
         self.config = config
         self.line = line
+        # one line per server (see PartitionLine.for_server)
+        self.lines = {e.url: line.for_server(e.url) for e in endpoints} if line is not None else {}
         self.has_samples = has_samples
         self.endpoints = list(endpoints)
         self.on_change = on_change
@@ -229,7 +249,7 @@ class CapacityMonitor:
     async def start(self) -> None:
         """First poll (before the first request, so the first wave already respects the server's load), then
         keep polling in the background."""
-        await self.poll_once()
+        await self._poll_safely()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def close(self) -> None:
@@ -241,13 +261,14 @@ class CapacityMonitor:
                 )
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # a poller that failed is no reason to fail a run whose rows are all journaled
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.close()
-        if self.line is not None:
-            self.line.leave()
+        for line in self.lines.values():
+            line.leave()
 
     async def _loop(self) -> None:
         # The first polls in quick succession: the first only looks (and joins the line), the second claims
@@ -255,19 +276,33 @@ class CapacityMonitor:
         # within ~0.1 s instead of two poll intervals.
         for _ in range(2):
             await asyncio.sleep(min(FIRST_REPOLL_S, self.config.capacity_poll_s))
-            await self.poll_once()
+            await self._poll_safely()
         while True:
             await asyncio.sleep(self.config.capacity_poll_s)
+            await self._poll_safely()
+
+    async def _poll_safely(self) -> None:
+        """A poll whose failure (a bug, a page nobody foresaw) leaves the caps as they are: never the run's end."""
+        try:
             await self.poll_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            self.log(f"capacity: poll failed ({type(error).__name__}: {error}); caps unchanged")
 
     async def poll_once(self) -> None:
         pending = [e for e in self.endpoints if self.servers[e.url].managed is not False]
         if not pending:
             return
         pages = await asyncio.gather(*[self._fetch(e.url) for e in pending])
-        first = self.line is None or self.line.first(self.has_samples())
+        has_samples = self.has_samples()
         for endpoint, page in zip(pending, pages, strict=True):
-            self._apply(endpoint, page, first)
+            line = self.lines.get(endpoint.url)
+            self._apply(endpoint, page, line is None or line.first(has_samples))
+        if self.any_managed and sum(e.cap for e in self.endpoints) < 1:
+            # at least one request in flight per partition, whatever the gauges say: a co-tenant that never drains
+            # (or a lower key that never sends) must not starve this run; the least loaded server gets it
+            min(self.endpoints, key=lambda e: (e.benched, e.outstanding, e.index)).cap = 1
         self.on_change()
 
     def _apply(self, endpoint: Endpoint, page: tuple[int, str] | None, first: bool = True) -> None:
@@ -276,6 +311,12 @@ class CapacityMonitor:
             return
         status, text = page
         load = parse_load(text) if status == 200 else None
+        if load is None and status == 200 and _has_gauges(text):
+            # gauges present but NaN, negative or absurd: no reading; the configured cap until a sane page
+            if endpoint.cap != server.target:
+                self.log(f"capacity: {display_url(endpoint.url)} reports unusable load gauges; cap {server.target}")
+            endpoint.cap, server.others = server.target, None
+            return
         if load is None:
             if server.managed is None:
                 server.managed = False
@@ -296,7 +337,8 @@ class CapacityMonitor:
     async def _fetch(self, url: str) -> tuple[int, str] | None:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                async with self._client().get(self._urls[url]) as response:
+                headers = {"Authorization": auth} if (auth := self.config.authorization(url)) else None
+                async with self._client().get(self._urls[url], headers=headers) as response:
                     return response.status, (await response.text()) if response.status == 200 else ""
         except Exception:  # timeout, refused, reset: no information this round
             return None
@@ -305,11 +347,8 @@ class CapacityMonitor:
         if self._session is None:  # created on the running loop (an aiohttp session binds to it)
             from eagle3_assets.generation.transport import aiohttp_session
 
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            timeout_s = self.config.connect_timeout_s
-            self._session = aiohttp_session(
-                limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s, headers=headers
-            )
+            timeout_s = self.config.connect_timeout_s  # the Authorization header goes per request (per server)
+            self._session = aiohttp_session(limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s)
         return self._session
 
     def summary(self) -> dict[str, dict[str, Any]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
-from eagle3_assets.settings import check_base_urls
+from eagle3_assets.settings import OUTAGE_BUDGET_S, check_base_urls, redact_url_credentials
 from eagle3_assets.settings import fail as _fail
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
@@ -24,6 +25,23 @@ _RESERVED = frozenset(
         "return_token_ids",
     }
 )
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """(the URL without ``user:password@``, the ``Authorization: Basic`` value they stand for, or None).
+
+    Every request, probe and ``/metrics`` poll goes to the clean URL with the header: a URL with credentials is
+    never sent, logged or stored (an HTTP library would read ``user:pw@host`` differently, or not at all).
+    """
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    clean = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    return clean, f"Basic {base64.b64encode(pair.encode()).decode()}"
 
 
 def display_url(url: str) -> str:
@@ -43,6 +61,9 @@ class GenerationConfig:
     # row's request fingerprint, so other weights under the same served name are answered again.
     model_revision: str | None = None
     api_key: str | None = field(default=None, repr=False)  # never logged, never written
+    # clean base URL -> Authorization header value, from credentials that were inside a base URL (filled in by
+    # __post_init__, which strips them from base_urls); they win over api_key for that URL. Never logged or written.
+    url_auth: Mapping[str, str] = field(default_factory=dict, repr=False)
     # Requests in flight for the whole run when no server reports its load (/metrics); otherwise each server's
     # default target (see server_targets and generation/capacity.py).
     concurrency: int = 128
@@ -76,12 +97,24 @@ class GenerationConfig:
     backoff_max_s: float = 60.0
     bench_after_failures: int = 5  # consecutive retryable failures before an endpoint is benched
     bench_s: float = 30.0  # first bench period; doubles while probes keep failing
+    # every endpoint down (benched for outages) this long: the run stops with an error instead of probing on
+    outage_budget_s: float = OUTAGE_BUDGET_S
     fsync_interval_s: float = 2.0
     progress_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
-        object.__setattr__(self, "base_urls", tuple(check_base_urls("base_urls", urls)))
+        clean: list[str] = []
+        auth = dict(self.url_auth)
+        for url in check_base_urls("base_urls", urls):
+            bare, header = split_credentials(url)
+            clean.append(bare)
+            if header is not None:
+                auth[bare] = header
+        if len(set(clean)) != len(clean):
+            raise _fail("base_urls", [display_url(u) for u in clean], "lists the same server twice")
+        object.__setattr__(self, "base_urls", tuple(clean))
+        object.__setattr__(self, "url_auth", auth)
         if self.model is not None and not str(self.model).strip():
             raise _fail("model", self.model, "must be a model name or None (ask /v1/models)")
         for name in ("concurrency", "max_tokens", "max_attempts", "bench_after_failures"):
@@ -104,6 +137,7 @@ class GenerationConfig:
             "idle_timeout_s",
             "backoff_max_s",
             "bench_s",
+            "outage_budget_s",
             "fsync_interval_s",
             "progress_interval_s",
             "capacity_poll_s",
@@ -159,12 +193,21 @@ class GenerationConfig:
             fields["return_token_ids"] = True
         return fields
 
+    def authorization(self, url: str) -> str | None:
+        """The Authorization header value for one base URL: its own credentials, else the API key as a bearer."""
+        if url in self.url_auth:
+            return self.url_auth[url]
+        return f"Bearer {self.api_key}" if self.api_key else None
+
     def redact(self, text: str) -> str:
         """Replace the API key in any text that may reach a log line, an error or a file.
 
         Texts may arrive already cut to a length (an error message): a key cut at the end leaves a prefix that a
         plain replace misses, so a trailing prefix of the key (8+ characters) is replaced too.
         """
+        text = redact_url_credentials(text)
+        for header in self.url_auth.values():
+            text = text.replace(header.split(" ", 1)[-1], "***")
         key = self.api_key
         if not key:
             return text

@@ -1,5 +1,10 @@
 """Routing over several OpenAI-compatible base URLs: least outstanding requests, a cap per endpoint,
-and a bench for an endpoint that keeps failing (then one probe request at a time until it answers).
+and a bench for an endpoint that keeps failing with outages (then one probe request at a time until it answers).
+
+A bench is for an outage only (refused, reset, timed out, 5xx: ``RequestFailed.outage``); a server that answers,
+even with garbage, is up. When every endpoint is benched at once the deployment is down: :meth:`EndpointPool.
+down_for` says for how long, and the caller ends the run once that exceeds its outage budget instead of probing
+for hours (benches are bounded by :data:`MAX_BENCH_S`).
 """
 
 from __future__ import annotations
@@ -44,9 +49,22 @@ class EndpointPool:
     clock: Callable[[], float] = time.monotonic
     log: Callable[[str], None] = lambda _message: None
     endpoints: list[Endpoint] = field(init=False)
+    # when every endpoint became benched (None while one is in rotation); see down_for
+    down_since: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.endpoints = [Endpoint(url, i, self.cap) for i, url in enumerate(self.urls)]
+
+    def _note_health(self) -> None:
+        if all(e.benched for e in self.endpoints):
+            if self.down_since is None:
+                self.down_since = self.clock()
+        else:
+            self.down_since = None
+
+    def down_for(self) -> float:
+        """Seconds since every endpoint has been benched (0 while any is in rotation)."""
+        return 0.0 if self.down_since is None else self.clock() - self.down_since
 
     def _available(self, endpoint: Endpoint, now: float) -> bool:
         if endpoint.benched:
@@ -69,8 +87,14 @@ class EndpointPool:
         return best
 
     def release(self, endpoint: Endpoint, *, server_failure: bool) -> None:
-        """Return a slot. ``server_failure``: a retryable failure that says something about the endpoint
-        (timeout, connection error, 5xx, 429, bad body); a request's own 4xx is not one."""
+        """Return a slot. ``server_failure``: an outage (timeout, connection error, 5xx); a reply that arrived,
+        malformed or a 4xx, is not one: the endpoint answered."""
+        try:
+            self._release(endpoint, server_failure)
+        finally:
+            self._note_health()
+
+    def _release(self, endpoint: Endpoint, server_failure: bool) -> None:
         endpoint.outstanding -= 1
         was_probe, endpoint.probing = endpoint.probing, False
         if not server_failure:
@@ -99,6 +123,7 @@ class EndpointPool:
         endpoint.bench_s = self.bench_s
         endpoint.benched_until = self.clock() + endpoint.bench_s
         endpoint.benched_times += 1
+        self._note_health()
         self.log(f"endpoint {display_url(endpoint.url)} benched for {endpoint.bench_s:.0f}s: {reason}")
 
     def next_change_in(self) -> float | None:

@@ -21,7 +21,14 @@ from typing import Any
 from eagle3_assets.generation.capacity import CapacityMonitor, PartitionLine
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
-from eagle3_assets.generation.errors import AUTH_STATUS, AuthRejected, RequestFailed, auth_failure_text, classify
+from eagle3_assets.generation.errors import (
+    AUTH_STATUS,
+    AuthRejected,
+    OutageError,
+    RequestFailed,
+    auth_failure_text,
+    classify,
+)
 from eagle3_assets.generation.records import (
     STATUS_FAILED,
     STATUS_OK,
@@ -126,6 +133,7 @@ class Engine:
             config, self.pool.endpoints, self._wake.set, log, line=line, has_samples=self._has_samples
         )
         self._fatal: BaseException | None = None
+        self._last_outage: str | None = None  # the last outage failure, for the error that ends a down deployment
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
 
@@ -162,6 +170,8 @@ class Engine:
         while self._ready or self._in_flight or self._waiting:
             if self._fatal is not None:
                 raise self._fatal
+            if self.pool.down_for() > self.config.outage_budget_s:
+                raise self._outage_error()
             self._wake.clear()
             # Re-read each round: the capacity monitor moves the caps as the servers' load changes.
             limit = self.capacity.run_limit()
@@ -177,6 +187,9 @@ class Engine:
             timeout = None
             if self._ready and self._in_flight < limit:
                 timeout = self.pool.next_change_in()  # every endpoint is full or benched
+            if self.pool.down_since is not None:  # wake in time to end the run when the outage budget runs out
+                left = max(0.0, self.config.outage_budget_s - self.pool.down_for()) + 0.01
+                timeout = left if timeout is None else min(timeout, left)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
@@ -199,7 +212,8 @@ class Engine:
                 raise
             except Exception as error:  # RequestFailed, or a bug (not the server's failure): classified either way
                 failure = classify(error)
-                self.pool.release(endpoint, server_failure=isinstance(error, RequestFailed) and failure.retryable)
+                # only an outage benches: a malformed reply or a 4xx came from a server that is up
+                self.pool.release(endpoint, server_failure=isinstance(error, RequestFailed) and failure.outage)
                 self._after_failure(item, endpoint, failure, time.monotonic() - started)
             else:
                 self.pool.release(endpoint, server_failure=False)
@@ -224,6 +238,8 @@ class Engine:
             left = self.stats.total - self.stats.finished
             self._stop(AuthRejected(auth_failure_text(failure, where, left=left, finished=self.stats.finished)))
             return
+        if failure.outage:
+            self._last_outage = f"{self._display_urls.get(endpoint.url) or display_url(endpoint.url)}: {message}"
         if failure.retryable and item.attempts < self.config.max_attempts:
             self.stats.retries += 1
             self.stats.retry_reasons[message.split(":", 1)[0][:80]] += 1
@@ -236,6 +252,16 @@ class Engine:
         if failure.retryable:
             message = f"gave up after {item.attempts} attempts; last error: {message}"
         self._finish(item, endpoint, latency, error=message)
+
+    def _outage_error(self) -> OutageError:
+        urls = ", ".join(self._display_urls.values())
+        left = self.stats.total - self.stats.finished
+        return OutageError(
+            f"every endpoint ({urls}) has been down for {self.pool.down_for():.0f} s, beyond the outage budget of "
+            f"{self.config.outage_budget_s:g} s (EAGLE3_OUTAGE_BUDGET_S): the run stopped. Last error: "
+            f"{self._last_outage or 'none recorded'}. Is the server running? {self.stats.finished} samples finished "
+            f"and are kept; {left} are left to do: run the partition again once the server answers."
+        )
 
     def _stop(self, error: BaseException) -> None:
         """End the run with ``error`` (the first one wins); the dispatcher raises it."""

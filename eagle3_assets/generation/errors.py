@@ -42,6 +42,20 @@ class RequestFailed(Exception):
     def unreachable(self) -> bool:
         return self.kind in ("connection", "timeout")
 
+    @property
+    def outage(self) -> bool:
+        """The endpoint is down or broken (refused, reset, timed out, 5xx): what benches it.
+
+        A reply that arrives whole but is malformed, a 4xx or a 429 says the server is up and answering: it
+        fails the attempt (retried like any retryable failure) and never benches the endpoint, or a server that
+        lies on every reply would hold the partition behind benches of minutes instead of failing its rows.
+        """
+        return self.unreachable or (self.status is not None and self.status >= 500)
+
+
+class OutageError(RuntimeError):
+    """Every endpoint stayed down (benched for outages) for longer than the outage budget: the run stops."""
+
 
 class AuthRejected(RuntimeError):
     """The server refused the API key (HTTP 401/403) in the middle of a run: the run stops, nothing is marked

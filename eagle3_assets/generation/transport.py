@@ -71,13 +71,15 @@ def aiohttp_session(
 class AiohttpTransport:
     """The default transport: POST /chat/completions over one aiohttp session, the body read in one piece."""
 
-    def __init__(self, url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int):
+    def __init__(
+        self, url: str, authorization: str | None, *, connect_s: float, read_s: float, max_connections: int
+    ) -> None:
         self.url = url
         self._chat_url = f"{url}{CHAT_PATH}"
         self._models_url = f"{url}/models"
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        if authorization:
+            self._headers["Authorization"] = authorization
         self._connect_s = connect_s
         self._read_s = read_s
         self._limit = max_connections + EXTRA_CONNECTIONS
@@ -147,7 +149,9 @@ def _model_ids(data: bytes) -> list[str]:
 class OpenAITransport:
     """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes."""
 
-    def __init__(self, url: str, api_key: str | None, *, connect_s: float, read_s: float, max_connections: int):
+    def __init__(
+        self, url: str, authorization: str | None, *, connect_s: float, read_s: float, max_connections: int
+    ) -> None:
         import httpx2
         import openai
 
@@ -158,7 +162,8 @@ class OpenAITransport:
         limits = httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)
         self.client = openai.AsyncOpenAI(
             base_url=url,
-            api_key=api_key or "EMPTY",  # vLLM without --api-key accepts anything; the SDK insists on a value
+            api_key="EMPTY",  # the SDK insists on a value; the real header (if any) replaces its bearer below
+            default_headers={"Authorization": authorization} if authorization else None,
             max_retries=0,  # the engine retries; the SDK's own retries would stack on top
             timeout=timeout,
             http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
@@ -232,7 +237,11 @@ def make_transports(config: GenerationConfig) -> dict[str, Transport]:
     read_s = config.idle_timeout_s if config.stream else config.request_timeout_s
     return {
         url: kind(
-            url, config.api_key, connect_s=config.connect_timeout_s, read_s=read_s, max_connections=config.endpoint_cap
+            url,
+            config.authorization(url),
+            connect_s=config.connect_timeout_s,
+            read_s=read_s,
+            max_connections=config.endpoint_cap,
         )
         for url in config.base_urls
     }

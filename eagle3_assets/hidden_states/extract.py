@@ -351,7 +351,14 @@ def _run_backend(backend: Any, pending: list[Row], data_dir: Path, storage: str,
     try:
         for batch in batches:
             samples = [pending[i] for i in batch]
-            states = backend.extract([s.input_ids for s in samples])
+            try:
+                states = backend.extract([s.input_ids for s in samples])
+            except Exception as error:  # a backend that knows which sample failed says so: name it for the operator
+                index = getattr(error, "sample_index", None)
+                if index is None:
+                    raise
+                sample = samples[index]
+                raise type(error)(f"sample {sample.sample_id} (row {sample.row}): {error}") from error
             for sample, hs in zip(samples, states, strict=True):
                 path = hs_file(data_dir, sample.row)
                 futures.append(writer.submit(write_sample, path, hs, sample.input_ids, sample.sample_id, storage))

@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
+import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.settings import OUTAGE_BUDGET_S, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -46,10 +49,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "eagle3-verifier"
+# The name every file of this project's connector starts with (local/vllm_plugins/eagle3_hs_connector.py spells it
+# too: that module runs in the vLLM server and imports nothing from here). The sweep touches nothing else.
+CONNECTOR_FILE_PREFIX = "eagle3-hs-"
 
 
 class ExtractionError(RuntimeError):
-    """An extraction server answered with something unusable (wrong token ids, shape, NaN) or kept failing."""
+    """An extraction server answered with something unusable (wrong token ids, shape, NaN) or kept failing.
+
+    ``sample_index``: the failing sample's position in the batch given to ``extract`` (the caller names the sample).
+    """
+
+    def __init__(self, message: str, sample_index: int | None = None) -> None:
+        super().__init__(message)
+        self.sample_index = sample_index
+
+
+class ExtractionStopped(ExtractionError):
+    """The run cannot go on: the servers refuse the key, all stayed down past the budget, or the embedded one died."""
 
 
 @dataclass(frozen=True)
@@ -58,48 +75,96 @@ class VLLMBackendOptions:
 
     urls: tuple[str, ...] = ()  # empty: start the embedded CPU vLLM on the verifier
     model: str | None = None  # served model name; None: the servers' only model
-    # Where THIS process finds the connector's files: the shared volume's local mount. None: the path the server
-    # reports is readable here as is (same machine, or the volume mounted at the same path).
+    # Where THIS process finds the connector's files: the shared volume's local mount. Required with urls (the
+    # client never reads or deletes a path a reply names outside it); None with the embedded server (a temp folder).
     storage_path: str | None = None
     api_key: str | None = None
     concurrency: int = 32  # requests in flight over all servers
     timeout_s: float = 600.0  # per request
     max_attempts: int = 4  # per sample, over all servers
     bench_s: float = 10.0  # first bench of a failing server
+    outage_budget_s: float = OUTAGE_BUDGET_S  # every server down this long: the run stops
     max_model_len: int = 2049  # embedded server only: max_seq_len + the one generated token
     startup_timeout_s: float = 600.0  # embedded server only
 
 
-def local_file(server_path: str, storage_path: str | None) -> Path:
-    """The connector's file as seen from this process: under ``storage_path`` when the volume is mounted elsewhere."""
-    if storage_path is None:
-        return Path(server_path)
-    return Path(storage_path) / Path(server_path).name
+def local_file(server_path: str, storage_root: str | Path) -> Path:
+    """The connector's file under this process's storage root (the shared volume's local mount).
+
+    Only the file NAME of the reply's path is used, so no reply can point outside the root (``../``, ``/etc/...``);
+    a name that is not a ``*.safetensors`` file name is refused.
+    """
+    name = PurePosixPath(str(server_path)).name
+    if not name.endswith(".safetensors") or name.startswith(".") or name != Path(name).name:
+        raise ExtractionError(f"the server named {str(server_path)[:200]!r}, not a connector file (*.safetensors)")
+    return Path(storage_root) / name
+
+
+def _open_regular(path: Path) -> int | None:
+    """A descriptor of ``path`` if it is a regular file (never through a symbolic link, never blocking on a FIFO);
+    None if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ExtractionError(f"{path} is a symbolic link; refused (only regular files are read)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ExtractionError(f"{path} is not a regular file; refused")
+    return fd
+
+
+def _wait_for_writer(lock: Path) -> None:
+    """Wait until the connector releases its write lock (it holds LOCK_EX until the file is written whole)."""
+    fd = _open_regular(lock)
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(fd)
+
+
+def _read_bytes(path: Path) -> bytes:
+    fd = _open_regular(path)
+    if fd is None:
+        raise ExtractionError(
+            f"the server named {path.name} but {path} does not exist here: is EAGLE3_HIDDEN_STATES_STORAGE the local "
+            "mount of the connector's shared_storage_path?"
+        )
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hidden_size: int) -> torch.Tensor:
-    """Wait for the connector's write lock, load the file, check it, and delete it (and its lock) in any case."""
-    import torch
-    from safetensors.torch import load_file
+    """Wait for the connector's write lock, load the file and check it.
 
-    lock = Path(f"{path}.lock")
+    The file (and its lock) is deleted only once its token ids equal the request's: then it is this request's answer,
+    whatever else is wrong with it. A file that is unreadable or carries other ids is left alone (it may be anything
+    that happens to lie in the folder: the reply is not trusted to say what may be deleted).
+    """
+    import torch
+    from safetensors.torch import load
+
+    lock = path.with_name(f"{path.name}.lock")
+    _wait_for_writer(lock)
     try:
-        with contextlib.suppress(FileNotFoundError), lock.open("rb") as handle:
-            fcntl.flock(handle, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is written whole
-        if not path.exists():
-            raise ExtractionError(
-                f"the server named {path} but it does not exist here: is the connector's shared_storage_path "
-                "mounted at this path (set EAGLE3_HIDDEN_STATES_STORAGE to its local mount)?"
-            )
-        tensors = load_file(str(path))
-    finally:
-        path.unlink(missing_ok=True)
-        lock.unlink(missing_ok=True)
+        tensors = load(_read_bytes(path))
+    except ExtractionError:
+        raise
+    except Exception as error:  # SafetensorError, or whatever a broken header raises: left in place
+        why = f"{type(error).__name__}: {error}"
+        raise ExtractionError(f"{path.name} is not a readable safetensors file ({why})") from None
     states, stored_ids = tensors.get("hidden_states"), tensors.get("token_ids")
     if states is None or stored_ids is None:
         raise ExtractionError(f"{path.name}: keys {sorted(tensors)}, expected hidden_states and token_ids")
     if stored_ids.tolist() != list(token_ids):
-        raise ExtractionError(f"{path.name}: token_ids differ from the {len(token_ids)} ids sent")
+        raise ExtractionError(f"{path.name}: token_ids differ from the {len(token_ids)} ids sent (file left in place)")
+    for done in (path, lock):  # this request's answer: removed whatever the checks below say
+        with contextlib.suppress(FileNotFoundError):
+            done.unlink()
     expected = (len(token_ids), n_states, hidden_size)
     if tuple(states.shape) != expected:
         raise ExtractionError(
@@ -112,21 +177,34 @@ def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hid
 
 
 def sweep_stale_files(storage: Path, older_than_s: float) -> int:
-    """Delete connector files (and locks) older than ``older_than_s``: what killed clients left in a shared folder.
+    """Delete this project's connector files (and locks) older than ``older_than_s``: what killed clients left.
 
-    Safe next to live clients: a client waits at most its request timeout for the answer and reads the file at once,
-    so a file older than twice the timeout has no reader left.
+    Only regular files named ``eagle3-hs-*.safetensors[.lock]`` (what ``CPUHiddenStatesConnector`` writes) are
+    touched: anything else in the folder (model weights, another tool's files) is never deleted. Safe next to live
+    clients: a client waits at most its request timeout for the answer and reads the file at once, so a file older
+    than twice the timeout has no reader left.
     """
     import time
 
     cutoff = time.time() - older_than_s
     removed = 0
-    for entry in storage.glob("*.safetensors*"):
+    for entry in storage.glob(f"{CONNECTOR_FILE_PREFIX}*.safetensors*"):
+        if not entry.name.endswith((".safetensors", ".safetensors.lock")):
+            continue
         with contextlib.suppress(FileNotFoundError):
-            if entry.stat().st_mtime < cutoff:
+            info = entry.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
                 entry.unlink()
                 removed += 1
     return removed
+
+
+class _Outage(Exception):
+    """An attempt failed because the server is down (its cause is the error)."""
+
+
+class _Retry(Exception):
+    """An attempt failed with a status that says the server is up (its cause is the error)."""
 
 
 class VLLMBackend:
@@ -156,6 +234,8 @@ class VLLMBackend:
         self.batch_tokens = max(batch_tokens, 4 * self.options.concurrency * 1024)
         self._say = log or logger.info
         self._server: LocalVLLMServer | None = None
+        self._fatal: ExtractionStopped | None = None  # set once: every sample still waiting stops with it
+        self._last_outage = "none recorded"
         self._tmp_storage: Path | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hs-vllm-client", daemon=True)
@@ -164,7 +244,13 @@ class VLLMBackend:
             urls, storage = list(self.options.urls), self.options.storage_path
             if not urls:
                 urls, storage = self._start_embedded(Path(verifier_path))
-            elif storage is not None and Path(storage).is_dir():
+            elif not storage:
+                raise ConfigError(
+                    "EAGLE3_HIDDEN_STATES_STORAGE is empty: with extraction servers (EAGLE3_HIDDEN_STATES_URL) set "
+                    "it to this machine's mount of the servers' shared_storage_path; the client reads and deletes "
+                    "files only under it, never wherever a reply points"
+                )
+            elif Path(storage).is_dir():
                 swept = sweep_stale_files(Path(storage), 2 * self.options.timeout_s)
                 if swept:
                     self._say(f"hidden_states: removed {swept} stale connector file(s) from {storage}")
@@ -200,21 +286,37 @@ class VLLMBackend:
     def _connect(self, urls: list[str]) -> tuple[Any, dict[str, Any], str]:
         import openai
 
+        from eagle3_assets.generation.config import display_url, split_credentials
         from eagle3_assets.generation.endpoints import EndpointPool
-        from eagle3_assets.local.vllm_server import list_models
+        from eagle3_assets.local.vllm_probe import probe_models
 
+        # credentials inside a URL become its Authorization header; the URL itself is used (and shown) without them
+        auth = dict(split_credentials(url) for url in urls)
+        urls = list(auth)
         model = self.options.model
         if model is None:
-            served = list_models(urls[0], api_key=self.options.api_key)
+            served, status = probe_models(urls[0], 5.0, self.options.api_key, authorization=auth[urls[0]])
+            if status in (401, 403):
+                raise ConfigError(
+                    f"EAGLE3_HIDDEN_STATES_URL: {display_url(urls[0])}/models answered HTTP {status}: the extraction "
+                    "server refused the API key; check EAGLE3_API_KEY (the servers' --api-key / VLLM_API_KEY)"
+                )
             if not served:
-                raise ConfigError(f"EAGLE3_HIDDEN_STATES_URL={urls[0]!r}: no model list at {urls[0]}/models")
+                why = f"HTTP {status}" if status else "no answer"
+                raise ConfigError(f"EAGLE3_HIDDEN_STATES_URL: no model list at {display_url(urls[0])}/models ({why})")
             model = served[0]
         pool = EndpointPool(urls, cap=self.options.concurrency, bench_s=self.options.bench_s, log=self._say)
+        self._names = {url: display_url(url) for url in urls}
 
         async def make_clients() -> dict[str, Any]:
             # max_retries=0: retries go through the pool, which can move a sample to another server
             return {
-                url: openai.AsyncOpenAI(base_url=url, api_key=self.options.api_key or "EMPTY", max_retries=0)
+                url: openai.AsyncOpenAI(
+                    base_url=url,
+                    api_key=self.options.api_key or "EMPTY",
+                    max_retries=0,
+                    default_headers={"Authorization": auth[url]} if auth[url] else None,
+                )
                 for url in urls
             }
 
@@ -236,68 +338,111 @@ class VLLMBackend:
     async def _extract_all(self, batch: list[list[int]]) -> list[torch.Tensor]:
         gate = asyncio.Semaphore(self.options.concurrency)
 
-        async def one(ids: list[int]) -> torch.Tensor:
+        async def one(index: int, ids: list[int]) -> torch.Tensor:
             async with gate:
-                return await self._extract_one(ids)
+                return await self._extract_one(index, ids)
 
         # Every request runs to its end even when one fails: a cancelled request would still make the server
-        # write a file that nobody reads and deletes.
-        results = await asyncio.gather(*(one(ids) for ids in batch), return_exceptions=True)
+        # write a file that nobody reads and deletes. A fatal error stops the waiting ones at once (_acquire).
+        results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch)), return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
 
+    def _stop(self, error: ExtractionStopped) -> ExtractionStopped:
+        if self._fatal is None:
+            self._fatal = error
+        return self._fatal
+
+    def _check_alive(self) -> None:
+        """The embedded server's process still runs; else stop the run with its exit code and log."""
+        process = getattr(self._server, "process", None)
+        code = process.poll() if process is not None else None
+        if code is not None:
+            log = getattr(self._server, "log_path", None)
+            what = f"the embedded extraction server (pid {process.pid}) exited with code {code}"
+            raise self._stop(ExtractionStopped(f"{what}; log: {log}"))
+
     async def _acquire(self) -> Any:
         while True:
+            if self._fatal is not None:
+                raise self._fatal
+            self._check_alive()
+            down = self._pool.down_for()
+            if down > self.options.outage_budget_s:
+                urls = ", ".join(self._names.values())
+                raise self._stop(
+                    ExtractionStopped(
+                        f"every extraction server ({urls}) has been down for {down:.0f} s, beyond the outage budget of "
+                        f"{self.options.outage_budget_s:g} s (EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S); last error: "
+                        f"{self._last_outage}. Samples already stored are kept: run the partition again once the "
+                        "servers answer."
+                    )
+                )
             endpoint = self._pool.acquire()
             if endpoint is not None:
                 return endpoint
             wait = self._pool.next_change_in()
-            await asyncio.sleep(min(wait, 1.0) if wait is not None else 0.05)
+            await asyncio.sleep(min(wait, 0.25) if wait is not None else 0.05)
 
-    async def _extract_one(self, ids: list[int]) -> torch.Tensor:
+    async def _extract_one(self, index: int, ids: list[int]) -> torch.Tensor:
+        last: BaseException | None = None
+        for _attempt in range(self.options.max_attempts):
+            endpoint = await self._acquire()
+            outage = False
+            try:
+                return await self._request(endpoint.url, index, ids)
+            except _Outage as error:
+                outage, last = True, error.__cause__
+                self._last_outage = f"{self._names[endpoint.url]}: {type(last).__name__}: {last}"
+                self._check_alive()  # a reset connection from a server that just died: say so at once
+            except _Retry as error:
+                last = error.__cause__
+            finally:
+                self._pool.release(endpoint, server_failure=outage)
+        raise ExtractionError(
+            f"a {len(ids)}-token sample failed {self.options.max_attempts} times over "
+            f"{list(self._names.values())}: {type(last).__name__}: {last}",
+            index,
+        )
+
+    async def _request(self, url: str, index: int, ids: list[int]) -> torch.Tensor:
+        """One attempt; a failure is classified: malformed (fails the sample now, never benches), refused key (stops
+        the run), an outage (:class:`_Outage`: retried, benches the server) or another status (:class:`_Retry`)."""
         import openai
 
         from eagle3_assets.speculators_adapter import hidden_states_client
 
         client = hidden_states_client()
-
-        last: BaseException | None = None
-        for _attempt in range(self.options.max_attempts):
-            endpoint = await self._acquire()
-            failed = True
-            try:
-                path, _params = await client.generate_hidden_states_async(
-                    self._clients[endpoint.url],
-                    self._model,
-                    {"input_ids": ids},
-                    timeout=self.options.timeout_s,
-                    max_retries=0,
+        where = self._names[url]
+        try:
+            path, _params = await client.generate_hidden_states_async(
+                self._clients[url], self._model, {"input_ids": ids}, timeout=self.options.timeout_s, max_retries=0
+            )
+            local = local_file(path, self._storage)
+            states = await asyncio.to_thread(read_connector_file, local, ids, len(self.layer_ids) + 1, self.hidden_size)
+            return states.to(self.store_dtype)
+        except (client.InvalidResponseError, ExtractionError, openai.APIResponseValidationError) as error:
+            # the server answered, with something unusable: another attempt or server would not help
+            raise ExtractionError(f"{where}: a {len(ids)}-token sample: {error}", index) from error
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as error:
+            raise self._stop(
+                ExtractionStopped(
+                    f"{where} refused the API key (HTTP {error.status_code}): check EAGLE3_API_KEY (the extraction "
+                    "servers' --api-key / VLLM_API_KEY); samples already stored are kept"
                 )
-                states = await asyncio.to_thread(
-                    read_connector_file,
-                    local_file(path, self._storage),
-                    ids,
-                    len(self.layer_ids) + 1,
-                    self.hidden_size,
-                )
-                failed = False
-                return states.to(self.store_dtype)
-            except (client.InvalidResponseError, ExtractionError) as error:
-                failed = False  # the request's own answer is wrong: another server would not help
-                raise ExtractionError(f"{endpoint.url}: {error}") from error
-            except openai.BadRequestError as error:
-                failed = False
-                raise ExtractionError(f"{endpoint.url} refused a {len(ids)}-token sample: {error}") from error
-            except (openai.APIError, TimeoutError, OSError) as error:
-                last = error
-            finally:
-                self._pool.release(endpoint, server_failure=failed)
-        raise ExtractionError(
-            f"a {len(ids)}-token sample failed {self.options.max_attempts} times over {list(self._clients)}: "
-            f"{type(last).__name__}: {last}"
-        )
+            ) from None
+        except openai.BadRequestError as error:
+            raise ExtractionError(f"{where} refused a {len(ids)}-token sample: {error}", index) from error
+        except openai.APIStatusError as error:
+            if error.status_code >= 500:
+                raise _Outage() from error
+            raise _Retry() from error  # 404, 408, 429...: the server is up; retried, never benched
+        except (openai.APIError, TimeoutError, OSError) as error:  # refused, reset, timed out
+            raise _Outage() from error
 
     def close(self) -> None:
         clients = getattr(self, "_clients", {})

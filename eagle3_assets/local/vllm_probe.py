@@ -17,12 +17,19 @@ from pathlib import Path
 API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
 
 
-def _probe_models(base_url: str, timeout_s: float, api_key: str | None) -> tuple[list[str] | None, int | None]:
-    """(model ids or None, HTTP status or None when nothing answered) of ``GET {base_url}/models``."""
+def probe_models(
+    base_url: str, timeout_s: float, api_key: str | None, *, authorization: str | None = None
+) -> tuple[list[str] | None, int | None]:
+    """(model ids or None, HTTP status or None when nothing answered) of ``GET {base_url}/models``.
+
+    ``authorization``: a whole Authorization header value (e.g. from credentials that were in a URL), instead of
+    ``api_key`` as a bearer. ``base_url`` must carry no credentials (urllib would misread ``user:pw@host``).
+    """
     request = urllib.request.Request(f"{base_url.rstrip('/')}/models")
-    if api_key:
+    header = authorization or (f"Bearer {api_key}" if api_key else None)
+    if header:
         # Unredirected: a redirect to another host never carries the key along.
-        request.add_unredirected_header("Authorization", f"Bearer {api_key}")
+        request.add_unredirected_header("Authorization", header)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status = int(response.status)
@@ -44,7 +51,7 @@ def list_models(base_url: str, timeout_s: float = 5.0, api_key: str | None = Non
 
     ``api_key``: sent as ``Authorization: Bearer`` (a server started with ``VLLM_API_KEY`` answers 401 without it).
     """
-    return _probe_models(base_url, timeout_s, api_key)[0]
+    return probe_models(base_url, timeout_s, api_key)[0]
 
 
 def _unauthorized_message(base_url: str, api_key: str | None) -> str:
@@ -92,3 +99,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+_probe_models = probe_models  # the name local/vllm_server.py uses

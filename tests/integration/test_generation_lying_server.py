@@ -57,7 +57,6 @@ def _config(url: str, **overrides: Any) -> GenerationConfig:
         idle_timeout_s=2.0,
         backoff_base_s=0.01,
         backoff_max_s=0.05,
-        bench_after_failures=1000,  # a server that lies on every reply is benched otherwise (30 s, doubling)
         progress_interval_s=60.0,
     )
     values.update(overrides)

@@ -72,11 +72,19 @@ class Scheduler:
     def metrics_text(self) -> bytes:
         """The two scheduler gauges as vLLM 0.32 writes them (labels ``engine`` and ``model_name``)."""
         labels = f'{{engine="0",model_name="{self.app.config.model}"}}'
+        running, waiting = str(float(self.running)), str(float(len(self.waiting)))
+        lie = self.app.config.metrics_lie
+        if lie == "nan":
+            running = "NaN"
+        elif lie == "negative":
+            running = "-50.0"
+        elif lie == "huge":
+            waiting = "1e9"
         return (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{labels} {float(self.running)}\n"
+            f"vllm:num_requests_running{labels} {running}\n"
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{labels} {float(len(self.waiting))}\n"
+            f"vllm:num_requests_waiting{labels} {waiting}\n"
         ).encode()

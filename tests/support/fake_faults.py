@@ -45,11 +45,16 @@ class FakeConfig:
     reasoning_share: float = 0.6  # share of the completion tokens that are chain of thought
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
+    basic_auth: str | None = None  # "user:password": /v1/* requires "Authorization: Basic ..." (a proxy in front)
     hang_s: float = 3600.0
     revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
     revoke_status: int = 401
+    outage_after: int = 0  # > 0: chat requests after this many are answered outage_status (the server went down)
+    outage_status: int = 503
     max_num_seqs: int = 0  # sequences generating at once; beyond it requests wait (0 = no limit)
     metrics: bool = True  # serve GET /metrics (vLLM's scheduler gauges)
+    # "" (honest) or a lie in the gauges: "nan" (running NaN), "negative" (running -50), "huge" (waiting 1e9)
+    metrics_lie: str = ""
     faults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ _REASONS = {
     404: "Not Found",
     429: "Too Many Requests",
     500: "Internal Server Error",
+    503: "Service Unavailable",
 }
 
 
@@ -46,6 +47,12 @@ def _head(status: int, content_type: str, length: int | None) -> bytes:
 
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _basic(pair: str) -> str:
+    import base64
+
+    return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
 def _error_body(status: int, message: str, kind: str) -> bytes:
@@ -176,6 +183,10 @@ class _Connection(asyncio.Protocol):
         if key and path.startswith("/v1/") and headers.get("authorization") != f"Bearer {key}":
             self.respond(401, _error_body(401, "Unauthorized", "Unauthorized"))
             return
+        basic = app.config.basic_auth
+        if basic and path.startswith(("/v1/", "/metrics")) and headers.get("authorization") != _basic(basic):
+            self.respond(401, _error_body(401, "Unauthorized (basic auth)", "Unauthorized"))
+            return
         if method == "GET" and path == "/v1/models":
             data = {
                 "object": "list",
@@ -229,6 +240,11 @@ class _Connection(asyncio.Protocol):
             stats.outcomes["revoked"] += 1
             status = config.revoke_status
             self.respond(status, _error_body(status, "the API key was revoked", "AuthenticationError"))
+            return
+        if config.outage_after and stats.total > config.outage_after:
+            stats.outcomes["outage"] += 1
+            status = config.outage_status
+            self.respond(status, _error_body(status, "the engine is down", "ServiceUnavailable"))
             return
         model = request.get("model")
         if model != config.model:

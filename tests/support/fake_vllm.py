@@ -22,6 +22,8 @@ What it imitates:
   through the body, hang (never answers), truncated body / stream, invalid JSON, a 200 whose body is not a
   chat completion, empty ``choices``, and a 200 whose fields have the wrong type (``content`` a list,
   ``reasoning`` an object, usage counts as strings).
+- A server that goes down mid-run: with ``outage_after`` > 0, every chat request after the first
+  ``outage_after`` is answered ``outage_status`` (503 by default) while ``/v1/models`` still answers.
 - A key revoked mid-run: with ``revoke_after`` > 0, every chat request after the first ``revoke_after``
   is answered ``revoke_status`` (401 or 403) as if the key had been withdrawn.
 - Capacity like vLLM's ``--max-num-seqs``: with ``max_num_seqs`` > 0 at most that many requests generate at

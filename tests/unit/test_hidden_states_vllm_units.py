@@ -38,10 +38,16 @@ def test_a_good_connector_file_is_returned_and_deleted_with_its_lock(tmp_path: P
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_with_other_token_ids_is_not_this_requests_answer_and_is_left_alone(tmp_path: Path) -> None:
+    path = _connector_file(tmp_path / "req.safetensors", [5, 6, 8], (3, 4, 8))
+    with pytest.raises(ExtractionError, match="token_ids differ"):
+        read_connector_file(path, [5, 6, 7], 4, 8)
+    assert path.is_file()  # the reply does not decide what is deleted: only this request's own answer is
+
+
 @pytest.mark.parametrize(
     ("ids", "shape", "nan", "why"),
     [
-        ([5, 6, 8], (3, 4, 8), False, "token_ids differ"),
         ([5, 6, 7], (3, 3, 8), False, r"shape \(3, 3, 8\) != \(3, 4, 8\)"),
         ([5, 6, 7], (3, 4, 8), True, "NaN or Inf"),
     ],
@@ -61,19 +67,23 @@ def test_a_file_missing_here_points_at_the_storage_setting(tmp_path: Path) -> No
 
 
 def test_server_paths_map_onto_the_local_mount() -> None:
-    assert local_file("/mnt/server/x.safetensors", None) == Path("/mnt/server/x.safetensors")
     assert local_file("/mnt/server/x.safetensors", "/data/hs") == Path("/data/hs/x.safetensors")
+    assert local_file("../../etc/x.safetensors", "/data/hs") == Path("/data/hs/x.safetensors")  # never leaves it
+    for bad in ("/etc/passwd", "/mnt/server/", "/mnt/.hidden.safetensors"):
+        with pytest.raises(ExtractionError, match="not a connector file"):
+            local_file(bad, "/data/hs")
 
 
 def test_only_stale_connector_files_are_swept(tmp_path: Path) -> None:
-    old, new = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    for path in (old, new, tmp_path / "a.safetensors.lock", tmp_path / "other.txt"):
+    old, new = tmp_path / "eagle3-hs-a.safetensors", tmp_path / "eagle3-hs-b.safetensors"
+    weights = tmp_path / "model.safetensors"
+    for path in (old, new, tmp_path / "eagle3-hs-a.safetensors.lock", tmp_path / "other.txt", weights):
         path.write_bytes(b"x")
     long_ago = time.time() - 3600
-    os.utime(old, (long_ago, long_ago))
-    os.utime(tmp_path / "a.safetensors.lock", (long_ago, long_ago))
+    for path in (old, tmp_path / "eagle3-hs-a.safetensors.lock", weights):
+        os.utime(path, (long_ago, long_ago))
     assert sweep_stale_files(tmp_path, 600) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "other.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eagle3-hs-b.safetensors", "model.safetensors", "other.txt"]
 
 
 def test_extraction_server_arguments(tmp_path: Path) -> None:
@@ -162,7 +172,7 @@ class _FakeExtractionServer:
             return web.json_response({"error": {"message": "down", "type": "x", "code": 0}}, status=self.fail_status)
         ids = list(body["prompt"])
         states = torch.tensor(ids, dtype=torch.float32)[:, None, None].expand(len(ids), self.n_states, self.hidden)
-        path = self.storage / f"req-{number}-{id(self)}.safetensors"
+        path = self.storage / f"eagle3-hs-{number}-{id(self)}.safetensors"
         save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(ids)}, str(path))
         choice = {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None, "prompt_token_ids": ids}
         return web.json_response(
@@ -210,7 +220,9 @@ def test_requests_spread_over_servers_and_a_failing_one_is_benched_and_retried_e
     (good_url, stop_good), (bad_url, stop_bad) = _serve(good), _serve(bad)
     notes: list[str] = []
     try:
-        options = VLLMBackendOptions(urls=(bad_url, good_url), model="m", concurrency=8, bench_s=60.0, max_attempts=4)
+        options = VLLMBackendOptions(
+            urls=(bad_url, good_url), model="m", storage_path=str(tmp_path), concurrency=8, bench_s=60.0, max_attempts=4
+        )
         backend = VLLMBackend(verifier, [1, 2, 3], "float32", options=options, log=notes.append)
         try:
             batch = [[i, i + 1, i + 2] for i in range(1, 41)]
@@ -234,7 +246,7 @@ def test_a_sample_that_fails_everywhere_raises_after_its_attempts(tmp_path: Path
     bad = _FakeExtractionServer(tmp_path, 64, 4, fail_status=503)
     url, stop = _serve(bad)
     try:
-        options = VLLMBackendOptions(urls=(url,), model="m", bench_s=0.05, max_attempts=3)
+        options = VLLMBackendOptions(urls=(url,), model="m", storage_path=str(tmp_path), bench_s=0.05, max_attempts=3)
         backend = VLLMBackend(cached_tiny_verifier(), [1, 2, 3], "float32", options=options)
         try:
             with pytest.raises(ExtractionError, match="failed 3 times"):

@@ -38,8 +38,25 @@ class _CompletedEvent:
         return True
 
 
+# Every file this connector writes is named ``eagle3-hs-<request id>.safetensors`` (the stock connector: ``<request
+# id>.safetensors``), so the client's sweep of stale files (hidden_states/vllm_backend.py CONNECTOR_FILE_PREFIX,
+# spelled again here: this module imports nothing from eagle3_assets) touches nothing else in the folder.
+FILE_PREFIX = "eagle3-hs-"
+
+
 class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """``ExampleHiddenStatesConnector`` without pinned memory or CUDA events when the cache is in host memory."""
+    """``ExampleHiddenStatesConnector`` without pinned memory or CUDA events when the cache is in host memory, whose
+    files carry this project's name prefix."""
+
+    def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id, filename in list(meta.new_req_filenames.items()):
+            # the default name only, never a custom path
+            if filename == os.path.join(self._storage_path, f"{req_id}.safetensors"):
+                ours = os.path.join(self._storage_path, f"{FILE_PREFIX}{req_id}.safetensors")
+                meta.new_req_filenames[req_id] = ours
+                self._request_filenames[req_id] = ours
+        return meta
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if self._kv_cache is None or self._kv_cache.device.type == "cuda":
