@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from eagle3_assets.precision import resolve_precision
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
+from eagle3_assets.training.data import partition_meta, pinned_partitions
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
 
 if TYPE_CHECKING:
@@ -78,26 +79,15 @@ class Ranks:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MIN)
         return float(tensor.item())
 
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a picklable object)."""
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
 
-def partition_meta(layout: DataLayout, keys: Sequence[str]) -> dict[str, Any]:
-    """The partitions' shared extraction metadata; an error names the two that disagree."""
-    from eagle3_assets.hidden_states.extract import read_meta
-
-    metas = {}
-    for key in keys:
-        if not layout.hidden_states_index_path(key).exists():
-            index = layout.hidden_states_index_path(key)
-            raise FileNotFoundError(f"hidden_states partition {key} is not complete (no {index})")
-        metas[key] = read_meta(layout, key)
-    first_key, first = next(iter(metas.items()))
-    for key, meta in metas.items():
-        for name in ("layer_ids", "hidden_size", "vocab_size"):
-            if meta[name] != first[name]:
-                raise ValueError(
-                    f"hidden_states partitions disagree on {name}: {first_key} has {first[name]}, "
-                    f"{key} has {meta[name]} (re-extract them with the same verifier and layer_ids)"
-                )
-    return first
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 def make_loader(
@@ -235,6 +225,7 @@ def _prepare(
     config: TrainConfig,
     ranks: Ranks,
     say: Callable[[str], None],
+    dirs: Mapping[str, Path],
 ) -> _Run:
     """The draft (seeded, DDP-wrapped with several ranks), loaders, optimizers, schedulers and the fingerprint."""
     import torch
@@ -265,8 +256,8 @@ def _prepare(
         model = torch.nn.parallel.DistributedDataParallel(core, device_ids=[device.index] if on_gpu else None)
     per_rank = config.tokens_per_batch // ranks.world
     loader_args = (per_rank, hidden_size, len(layer_ids), hs_dtype, config.seed)
-    train_loader = make_loader([layout.hidden_states_dir(k) for k in train_keys], *loader_args, ranks=ranks)
-    val_loader = make_loader([layout.hidden_states_dir(val_key)], config.tokens_per_batch, *loader_args[1:])
+    train_loader = make_loader([dirs[k] for k in train_keys], *loader_args, ranks=ranks)  # the pinned versions
+    val_loader = make_loader([dirs[val_key]], config.tokens_per_batch, *loader_args[1:])
     steps = len(train_loader)
     if config.max_steps_per_epoch is not None:
         steps = min(steps, config.max_steps_per_epoch)
@@ -278,7 +269,7 @@ def _prepare(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
     )
     # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
-    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path)
+    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path, dirs)
     history: dict[str, Any] = {
         **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},
         "loss_curve": [],
@@ -423,12 +414,16 @@ def train_draft(
     ranks = Ranks.current()
     say = (log or logger.info) if ranks.main else logger.debug
     verifier_path = Path(verifier_path).expanduser().resolve()
-    meta = partition_meta(layout, [*train_keys, val_key])
     out_dir = layout.draft_model_dir
     ckpt_dir, final_dir = out_dir / ckpt.CHECKPOINT_DIR, out_dir / ckpt.FINAL_DIR
 
-    with _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)), torch_threads(config.num_threads):
-        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say)
+    with (
+        _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)),
+        pinned_partitions(layout, [*train_keys, val_key], ranks) as dirs,
+        torch_threads(config.num_threads),
+    ):
+        meta = partition_meta(layout, [*train_keys, val_key], dirs)
+        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say, dirs)
         resumed_from = _resume_or_baseline(run, ckpt_dir)
         start_epoch = 0 if resumed_from is None else resumed_from + 1
         timing = _Timing()
