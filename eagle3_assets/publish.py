@@ -33,7 +33,14 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from eagle3_assets.storage import DataLayout, PartitionBusyError, exclusive_lock, fsync_dir, pid_alive
+from eagle3_assets.storage import (
+    DataLayout,
+    PartitionBusyError,
+    exclusive_lock,
+    fsync_dir,
+    pid_alive,
+    remove_dead_writers_temps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +191,9 @@ def sweep(layout: DataLayout, key: str) -> list[str]:
             continue
         if _remove_unless_pinned(version):
             removed.append(f"removed version {version.name}")
-    for old in layout.asset_dir(ASSET).glob(f".{key}.old-*"):
-        if old.is_dir() and not pid_alive(_pid(old)):
-            shutil.rmtree(old, ignore_errors=True)
-            removed.append(f"removed {old.name}")
-    return removed
+    # a killed switch's ``.{key}.tmp-PID`` link, an earlier swap's ``.{key}.old-PID`` folder (dead writers only)
+    swept = remove_dead_writers_temps(layout.asset_dir(ASSET), {key, f"{key}.parquet"})
+    return removed + [f"removed {p.name}" for p in swept]
 
 
 def _remove_unless_pinned(version: Path) -> bool:
