@@ -278,7 +278,7 @@ def test_a_rebuild_during_training_never_swaps_the_files_training_reads(prepared
     for key in ("00000", "00001"):
         fabricate_responses(layout, key, N, seed=0, min_words=10, max_words=30)
         _extract(layout, verifier, key)
-    old_ids = pl.read_parquet(layout.hidden_states_index_path("00000"))["sample_id"].to_list()
+    old_index = pl.read_parquet(layout.hidden_states_index_path("00000")).drop("bytes")
     script, dirs_file, go = tmp_path / "train.py", tmp_path / "dirs.json", tmp_path / "go"
     script.write_text(TRAIN_CHILD)
     child = subprocess.Popen(
@@ -295,7 +295,7 @@ def test_a_rebuild_during_training_never_swaps_the_files_training_reads(prepared
         before = {p.name: p.read_bytes() for p in (reading / "hidden_states").iterdir()}
         storage.write_bytes_atomic(prepared["responses_b"], layout.responses_path("00000"))
         _extract(layout, verifier)  # rebuilt and published while training reads
-        assert pl.read_parquet(layout.hidden_states_index_path("00000"))["sample_id"].to_list() != old_ids
+        assert not pl.read_parquet(layout.hidden_states_index_path("00000")).drop("bytes").equals(old_index)
         after = {p.name: p.read_bytes() for p in (reading / "hidden_states").iterdir()}
         assert after == before, f"the files under {reading} changed while training read them"
         go.touch()
