@@ -69,6 +69,12 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_configured_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """status compares the responses only (the settings comparison has its own tests)."""
+    monkeypatch.delenv("EAGLE3_VERIFIER_PATH", raising=False)
+
+
 def _extract(layout: DataLayout, verifier: Path, key: str = KEY) -> None:
     extract_partition(layout, key, verifier, HiddenStatesConfig(**CONFIG))  # type: ignore[arg-type]
 
@@ -139,10 +145,10 @@ def _instance_with_both_materialized(instance: dg.DagsterInstance) -> None:
 def _stale_and_planned(instance: dg.DagsterInstance, layout: DataLayout) -> tuple[str, list[str]]:
     from eagle3_assets.operations import backfill, status
 
-    rows = {(r.asset, r.partition_key): r for r in status.partition_table(instance, layout, extraction={})}
+    rows = {(r.asset, r.partition_key): r for r in status.partition_table(instance, layout)}
     row = rows[("hidden_states", KEY)]
     assert row.where == "both" and row.disk_rows is not None and not row.error, row
-    plan = backfill.plan_missing(instance, layout=layout, extraction={})
+    plan = backfill.plan_missing(instance, layout=layout)
     return row.stale, plan.targets["hidden_states"]
 
 
@@ -271,8 +277,6 @@ TRAIN_CHILD = textwrap.dedent(
 def test_a_rebuild_during_training_never_swaps_the_files_training_reads(prepared: dict, tmp_path: Path) -> None:
     import json
 
-    from eagle3_assets import publish
-
     verifier = prepared["verifier"]
     layout = DataLayout.at(tmp_path / "data")
     for key in ("00000", "00001"):
@@ -305,5 +309,7 @@ def test_a_rebuild_during_training_never_swaps_the_files_training_reads(prepared
         if child.poll() is None:
             child.kill()
             child.wait()
+    from eagle3_assets import publish
+
     publish.recover_idle(layout, ["00000"])  # unpinned now: the next sweep removes the old version
     assert not reading.exists() and _leftovers(layout) == []
