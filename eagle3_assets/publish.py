@@ -231,7 +231,8 @@ def publish(layout: DataLayout, key: str, staging: Path) -> Path:
 def recover_idle(layout: DataLayout, keys: Iterable[str] | None = None) -> dict[str, list[str]]:
     """:func:`recover` for every partition no run is writing (its lock is free); busy ones are left alone."""
     done: dict[str, list[str]] = {}
-    for key in known_keys(layout) if keys is None else keys:
+    on_disk = known_keys(layout)  # never a lock file (or folder) made for a partition with nothing on disk
+    for key in on_disk if keys is None else [k for k in keys if k in set(on_disk)]:
         try:
             with exclusive_lock(layout.lock_path(ASSET, key), f"{ASSET} partition {key}"):
                 actions = recover(layout, key)
