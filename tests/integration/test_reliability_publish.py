@@ -220,7 +220,12 @@ def test_sigkill_at_a_random_moment_of_the_publish(
     staging = hidden_states_staging_dir(layout, KEY)
     delay = random.Random(seed).uniform(0, 0.08)
     args = [str(layout.root), str(prepared["verifier"]), "none", "-", "-"]
-    sigkill_child_when(script, args, (staging / "state.json").exists, 120, delay)
+    published = layout.hidden_states_dir(KEY).resolve()
+
+    def reached() -> bool:  # the dataset is written (or, on a busy machine, the whole publish already happened)
+        return (staging / "state.json").exists() or layout.hidden_states_dir(KEY).resolve() != published
+
+    sigkill_child_when(script, args, reached, 120, delay)
     _after_a_kill(instance, layout, prepared, f"seed {seed}: killed {delay:.3f} s after the dataset was written")
 
 
