@@ -32,8 +32,8 @@ from eagle3_assets.precision import resolve_precision
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
-from eagle3_assets.training.data import partition_meta, pinned_partitions
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
+from eagle3_assets.training.pinning import partition_meta, pinned_partitions
 
 if TYPE_CHECKING:
     import torch
@@ -78,16 +78,6 @@ class Ranks:
         tensor = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MIN)
         return float(tensor.item())
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (a picklable object)."""
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 def make_loader(

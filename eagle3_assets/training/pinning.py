@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from eagle3_assets.training.loop import Ranks
 
 
+def _broadcast(ranks: Ranks, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if ranks.world == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 @contextlib.contextmanager
 def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> Iterator[dict[str, Path]]:
     """The version folder of each hidden_states partition, pinned while training reads it: a re-extraction
@@ -28,10 +39,10 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
 
     if ranks.main:
         with publish.pinned(layout, keys) as dirs:
-            ranks.broadcast({k: str(v) for k, v in dirs.items()})
+            _broadcast(ranks, {k: str(v) for k, v in dirs.items()})
             yield dirs
     else:
-        chosen = ranks.broadcast(None)
+        chosen = _broadcast(ranks, None)
         with publish.pinned(layout, keys, chosen) as dirs:
             yield dirs
 
