@@ -71,8 +71,8 @@ def main() -> int:
         def pipeline(run: int) -> float:
             import shutil
 
-            shutil.rmtree(layout.hidden_states_dir("00000"), ignore_errors=True)
-            layout.hidden_states_index_path("00000").unlink(missing_ok=True)
+            # every published version, its pointer and index link: the next run computes every sample again
+            shutil.rmtree(layout.asset_dir("hidden_states"), ignore_errors=True)
             config = HiddenStatesConfig(layer_ids=layer_ids, batch_tokens=args.batch_tokens, num_threads=args.threads)
             result = extract_partition(layout, "00000", verifier, config, log=lambda _msg: None)
             assert result.tokens_computed == tokens, (result.tokens_computed, tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 from eagle3_assets import storage
 from eagle3_assets.generation.fingerprint import digest
 from eagle3_assets.storage import DataLayout
+
+logger = logging.getLogger(__name__)
 
 # Code versions declared on the assets: bump when a change makes earlier outputs wrong, so Dagster marks every
 # partition built by the older code as stale (its data versions are content hashes and cannot tell).
@@ -175,12 +178,21 @@ class PartitionLineage:
         return bool(self.checks) and all(self.checks.values())
 
     def save(self, layout: DataLayout) -> None:
-        storage.write_json_atomic(asdict(self), layout.lineage_path(self.asset, self.partition_key))
+        path = layout.lineage_path(self.asset, self.partition_key)
+        if self.asset == "hidden_states" and not path.parent.is_dir():
+            # written into the published version only: never a folder made up where the pointer is missing
+            raise FileNotFoundError(
+                f"hidden_states partition {self.partition_key} has no published folder {path.parent}"
+            )
+        storage.write_json_atomic(asdict(self), path)
 
     @classmethod
     def load(cls, layout: DataLayout, asset: str, partition_key: str) -> PartitionLineage | None:
         """The recorded lineage, or None when there is none (or it is unreadable: then nothing is trusted)."""
-        path = layout.lineage_path(asset, partition_key)
+        return cls.load_file(layout.lineage_path(asset, partition_key))
+
+    @classmethod
+    def load_file(cls, path: Path) -> PartitionLineage | None:
         try:
             data = json.loads(path.read_text())
             return cls(**data)
@@ -231,7 +243,7 @@ def hidden_states_staging_dir(layout: DataLayout, partition_key: str) -> Path:
     return layout.asset_dir("hidden_states") / "_staging" / partition_key
 
 
-_STAGING_INPUTS = "_staging_inputs.json"  # removed before the folder is published
+_STAGING_INPUTS = "_staging_inputs.json"  # marks a build in progress; removed when it is published
 
 
 def hidden_states_extraction_inputs(
@@ -247,14 +259,17 @@ def hidden_states_extraction_inputs(
 
 
 def _link_tree(source: Path, target: Path) -> None:
-    """Hard-link every file of ``source`` into ``target`` where ``target`` has none (copy across filesystems).
+    """Hard-link every file of ``source`` into ``target`` where ``target`` has none (copy across filesystems);
+    the version's own index, lineage and pin file are not carried over (a build writes its own).
 
     Every writer replaces files by rename, never in place, so a link shared with the published folder is safe.
     """
     import shutil
 
+    from eagle3_assets.publish import VERSION_OWN_FILES
+
     for path in source.rglob("*"):
-        if not path.is_file():
+        if not path.is_file() or (path.parent == source and path.name in VERSION_OWN_FILES):
             continue
         dest = target / path.relative_to(source)
         if dest.exists():
@@ -273,9 +288,14 @@ def begin_hidden_states(layout: DataLayout, partition_key: str, extraction: Mapp
     Seeded with hard links to the published partition's files when that was built with the same verifier
     content, layer ids, max_seq_len and dtype (the per-sample check then keeps only files whose tokens still
     match); a partition built from anything else, or of unknown provenance, is recomputed from scratch.
+    A kill interrupted publish earlier is finished first (``publish.recover``: the caller holds the lock).
     """
     import shutil
 
+    from eagle3_assets import publish
+
+    for line in publish.recover(layout, partition_key):
+        logger.info("hidden_states %s: %s", partition_key, line)
     staging = hidden_states_staging_dir(layout, partition_key)
     marker = staging / _STAGING_INPUTS
     try:
@@ -285,50 +305,59 @@ def begin_hidden_states(layout: DataLayout, partition_key: str, extraction: Mapp
     if not same:
         shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True, exist_ok=True)
+    for name in publish.VERSION_OWN_FILES:  # a killed build's index or lineage: rewritten at the end
+        (staging / name).unlink(missing_ok=True)
     storage.write_json_atomic(dict(extraction), marker)
     published = PartitionLineage.load(layout, "hidden_states", partition_key)
-    live = layout.hidden_states_dir(partition_key)
-    if published is not None and published.inputs.get("extraction") == dict(extraction) and live.is_dir():
+    live = publish.current_version(layout, partition_key)
+    if published is not None and published.inputs.get("extraction") == dict(extraction) and live is not None:
         _link_tree(live, staging)
     return staging
 
 
-def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path) -> Path:
-    """Put a completely built partition folder in place of the published one (atomic folder swap); the caller
-    writes the index after this, then :func:`record_hidden_states`. Returns the published folder."""
-    (staging / _STAGING_INPUTS).unlink(missing_ok=True)
-    target = layout.hidden_states_dir(partition_key)
-    storage.replace_dir_atomic(staging, target)
-    return target
+def record_hidden_states(
+    staging: Path, partition_key: str, extraction: Mapping[str, Any], responses_digest: str
+) -> PartitionLineage:
+    """Write the build's lineage into ``staging`` (before it is published: it switches with the folder).
 
+    ``responses_digest`` is the digest of exactly the responses bytes the build read (computed while reading),
+    so a regeneration of the partition meanwhile never makes these states look current. The data version
+    hashes those inputs and the index content, so Dagster marks the partition (and the draft) stale when either
+    changes."""
+    from eagle3_assets.publish import INDEX_FILE, LINEAGE_FILE
 
-def record_hidden_states(layout: DataLayout, partition_key: str, extraction: Mapping[str, Any]) -> PartitionLineage:
-    """Record what the just-published partition was built from; its data version hashes those inputs and the
-    index content, so Dagster marks it (and the draft) stale when either changes."""
-    responses = layout.responses_path(partition_key)
-    inputs = {
-        "responses_data_version": storage.file_digest(responses) if responses.exists() else None,
-        "extraction": dict(extraction),
-    }
-    index = layout.hidden_states_index_path(partition_key)
-    index_digest = storage.file_digest(index)
+    inputs = {"responses_data_version": responses_digest, "extraction": dict(extraction)}
+    index_digest = storage.file_digest(staging / INDEX_FILE)
     lineage = PartitionLineage(
         "hidden_states",
         partition_key,
         data_version=digest([inputs, index_digest]),
         inputs={**inputs, "index": index_digest},
     )
-    lineage.save(layout)
+    storage.write_json_atomic(asdict(lineage), staging / LINEAGE_FILE)
     return lineage
 
 
-def training_inputs_digest(layout: DataLayout, keys: Iterable[str], verifier_path: Path) -> str:
+def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path) -> Path:
+    """Make the complete build (index and lineage written into it) the partition's current version with one
+    atomic switch (``publish.publish``); returns the partition's folder (its pointer)."""
+    from eagle3_assets import publish
+
+    (staging / _STAGING_INPUTS).unlink(missing_ok=True)
+    return publish.publish(layout, partition_key, staging)
+
+
+def training_inputs_digest(
+    layout: DataLayout, keys: Iterable[str], verifier_path: Path, dirs: Mapping[str, Path] | None = None
+) -> str:
     """A content hash of what a draft trains on: each partition's recorded hidden-states data version and
-    index content, the vocabulary mapping files and the verifier content (not paths and counts)."""
+    index content, the vocabulary mapping files and the verifier content (not paths and counts). ``dirs``: the
+    pinned version folder of each key (else the current one)."""
     parts: list[Any] = []
     for key in sorted(keys):
-        lineage = PartitionLineage.load(layout, "hidden_states", key)
-        index = layout.hidden_states_index_path(key)
+        folder = (dirs or {}).get(key) or layout.hidden_states_dir(key)
+        lineage = PartitionLineage.load_file(folder / "lineage.json")
+        index = folder / "index.parquet"
         parts.append(
             [key, lineage.data_version if lineage else None, storage.file_digest(index) if index.exists() else None]
         )
@@ -338,7 +367,43 @@ def training_inputs_digest(layout: DataLayout, keys: Iterable[str], verifier_pat
     return digest([parts, vocab, verifier])
 
 
-def training_fingerprint(base: str, layout: DataLayout, keys: Iterable[str], verifier_path: Path) -> str:
+def training_fingerprint(
+    base: str, layout: DataLayout, keys: Iterable[str], verifier_path: Path, dirs: Mapping[str, Path] | None = None
+) -> str:
     """A training run's checkpoint fingerprint: ``base`` (the config and the partition keys) plus the content
     hash of its inputs, so a checkpoint trained on other data or another verifier is never resumed."""
-    return digest([base, training_inputs_digest(layout, keys, verifier_path)], 16)
+    return digest([base, training_inputs_digest(layout, keys, verifier_path, dirs)], 16)
+
+
+# ------------------------------------------------------------------------------ stale downstream partitions
+
+
+def _differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    return sorted(k for k in current if recorded.get(k) != current[k])
+
+
+def stale_hidden_states(
+    layout: DataLayout, keys: Iterable[str] | None = None, extraction: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """hidden_states partitions built from other responses than the file on disk now, or (given the current
+    ``extraction`` settings, any subset of verifier / layer_ids / max_seq_len / dtype) with other settings:
+    key -> why. Partitions without a lineage record are left to the checks (not recorded: not trained on)."""
+    from eagle3_assets import publish
+
+    stale: dict[str, str] = {}
+    for key in publish.known_keys(layout) if keys is None else keys:
+        hidden = PartitionLineage.load(layout, "hidden_states", key)
+        if hidden is None or not hidden.data_version:
+            continue
+        responses = layout.responses_path(key)
+        why = []
+        if not responses.exists():
+            why.append("its synthetic_responses file is gone")
+        elif hidden.inputs.get("responses_data_version") != storage.file_digest(responses):
+            why.append("built from other responses than those on disk")
+        changed = _differences(hidden.inputs.get("extraction") or {}, extraction or {})
+        if changed:
+            why.append(f"built with other settings ({', '.join(changed)})")
+        if why:
+            stale[key] = "; ".join(why)
+    return stale

@@ -10,9 +10,11 @@ Every file a stage writes goes through this module. Layout under the data direct
     synthetic_responses/_manifests/{key}.json      lineage: the request settings every row answers, digests
     synthetic_responses/_superseded/{key}.parquet  ok rows of earlier settings, reused if those come back
     {asset}/_lineage/{key}.json            data version, inputs and check outcomes of a partition (lineage.py)
-    hidden_states/{key}.parquet            per-sample index of a finished hidden-states partition
-    hidden_states/{key}/                   speculators' offline layout for that partition
-    vocab_mapping/                         d2t.npy, t2d.npy, token_freq.pt
+    hidden_states/_versions/{key}/{version}/   one complete build: speculators' offline layout, index.parquet
+                                           (per-sample index) and lineage.json; see publish.py
+    hidden_states/{key} -> _versions/...   the partition's current version (a symlink, switched atomically)
+    hidden_states/{key}.parquet            a fixed link to {key}/index.parquet
+    vocab_mapping/                         vocab_mapping.safetensors (d2t and t2d, one file), token_freq.pt
     draft_model/                           checkpoints/ and final/ (speculators format)
     draft_evaluation/                      report.json and plots
 
@@ -86,13 +88,17 @@ class DataLayout:
         return self.asset_dir("synthetic_responses") / "_superseded" / f"{partition_key}.parquet"
 
     def lineage_path(self, asset: str, partition_key: str) -> Path:
+        if asset == "hidden_states":  # inside the published version: it switches with the folder (publish.py)
+            return self.hidden_states_dir(partition_key) / "lineage.json"
         return self.asset_dir(asset) / "_lineage" / f"{partition_key}.json"
 
     # hidden_states
     def hidden_states_index_path(self, partition_key: str) -> Path:
+        """A fixed link to ``{key}/index.parquet``: it follows the partition's pointer (publish.py)."""
         return self.asset_dir("hidden_states") / f"{partition_key}.parquet"
 
     def hidden_states_dir(self, partition_key: str) -> Path:
+        """The partition's pointer: a symlink to its current version under ``_versions/{key}/`` (publish.py)."""
         return self.asset_dir("hidden_states") / partition_key
 
     # unpartitioned downstream assets
@@ -137,7 +143,7 @@ class DataLayout:
         return sorted(keys)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -150,7 +156,7 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -183,7 +189,7 @@ def remove_dead_writers_temps(folder: Path, names: Collection[str] | None = None
         if match is None or (names is not None and match["name"] not in names):
             continue
         pid = int(match["pid"])
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         with contextlib.suppress(OSError):
             if entry.is_dir() and not entry.is_symlink():
@@ -218,7 +224,7 @@ def replace_dir_atomic(tmp: Path, target: Path) -> None:
             with contextlib.suppress(OSError):
                 os.replace(old, target)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     if moved_aside:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
@@ -254,7 +260,7 @@ def atomic_path(path: Path, needed_bytes: int | None = None) -> Iterator[Path]:
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except Exception as error:
         tmp.unlink(missing_ok=True)
         _raise_if_disk_full(error, path, needed_bytes)

@@ -83,7 +83,7 @@ def vocab_mapping(
             "held_out_partition": val_key,
             metadata.ROW_COUNT: dg.MetadataValue.int(result.draft_vocab_size),  # rows of d2t: one per draft token
             "notes": dg.MetadataValue.json(result.notes),
-            "path": dg.MetadataValue.path(str(result.d2t_path.parent)),
+            "path": dg.MetadataValue.path(str(result.mapping_path.parent)),
         }
     )
 

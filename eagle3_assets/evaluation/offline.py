@@ -60,6 +60,12 @@ def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_i
         config.speculators_config.verifier.name_or_path = str(Path(verifier).expanduser().resolve())
     model = classes.Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
     model.eval()
+    if getattr(model, "d2t", None) is not None or getattr(model, "t2d", None) is not None:
+        from eagle3_assets.training.vocab import check_vocab_mapping
+
+        # the draft's own copy of the vocabulary mapping: proposals are mapped to target ids with it
+        remedy = "re-materialize vocab_mapping, then draft_model"
+        check_vocab_mapping(model.d2t, model.t2d, Path(draft_dir) / "model.safetensors", remedy)
     return model
 
 

@@ -10,8 +10,10 @@ checked against speculators 0.9.0's loader and ``hs_connectors.FileTransfer``)::
     token_freq.pt                                 {token id: count} over loss-masked tokens (speculators' format)
     eagle3_meta.json                              layer_ids, hidden_size, dtype, verifier path (for training)
 
-plus ``layout.hidden_states_index_path(key)`` (sample_id, row, seq_len, n_loss_tokens, file, bytes), written
-atomically LAST: its presence means the partition is complete.
+plus ``index.parquet`` (sample_id, row, seq_len, n_loss_tokens, file, bytes) and ``lineage.json``, written LAST.
+The partition is built in ``_staging/{key}`` and published whole by one atomic pointer switch
+(:mod:`eagle3_assets.publish`): ``layout.hidden_states_dir(key)`` and ``layout.hidden_states_index_path(key)``
+are links that follow it.
 
 Which responses become rows and how a sample file is written: :mod:`eagle3_assets.hidden_states.samples`; the
 asset checks: :mod:`eagle3_assets.hidden_states.checks`. Resuming: a sample file at its final name is kept when it
@@ -57,7 +59,7 @@ from eagle3_assets.hidden_states.samples import (
     Row,
     estimate_bytes,
     hs_file,
-    read_ok_responses,
+    read_ok_responses_with_digest,
     render_rows,
     validate_sample_file,
     write_sample,
@@ -241,19 +243,21 @@ def _finish(
     layout: DataLayout,
     partition_key: str,
     staging: Path,
-    index_path: Path,
     rows: list[Row],
     meta: dict[str, Any],
     extraction: Any,
+    responses_digest: str,
 ) -> tuple[int, Path]:
-    """The training dataset, token frequencies and metadata in the staging folder, then the partition published
-    whole, then the index and its lineage record; returns the sample files' bytes and the published folder."""
+    """The training dataset, token frequencies, metadata, index and lineage record in the staging folder, then
+    the partition published whole with one atomic switch; returns the sample files' bytes and the folder."""
+    from eagle3_assets.publish import INDEX_FILE
+
     _save_dataset(staging, rows)
     _save_token_freq(staging, rows)
     write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)
+    total = int(_write_index(staging / INDEX_FILE, staging, rows)["bytes"].sum())
+    lineage.record_hidden_states(staging, partition_key, extraction, responses_digest)
     data_dir = lineage.publish_hidden_states(layout, partition_key, staging)
-    total = int(_write_index(index_path, data_dir, rows)["bytes"].sum())
-    lineage.record_hidden_states(layout, partition_key, extraction)
     return total, data_dir
 
 
@@ -277,7 +281,7 @@ def extract_partition(
     index_path = layout.hidden_states_index_path(partition_key)
 
     with exclusive_lock(layout.lock_path("hidden_states", partition_key), f"hidden_states partition {partition_key}"):
-        ok, failed = read_ok_responses(layout, partition_key)
+        ok, failed, responses_digest = read_ok_responses_with_digest(layout, partition_key)
         if ok.height == 0:
             raise ValueError(
                 f"synthetic_responses partition {partition_key} has no ok responses ({failed} failed): "
@@ -310,7 +314,7 @@ def extract_partition(
             "vocab_size": shape.vocab_size, "dtype": config.dtype, "max_seq_len": config.max_seq_len,
             "verifier_path": str(verifier_path),
         }  # fmt: skip
-        total_bytes, data_dir = _finish(layout, partition_key, data_dir, index_path, rows, meta, extraction)
+        total_bytes, data_dir = _finish(layout, partition_key, data_dir, rows, meta, extraction, responses_digest)
 
     return HiddenStatesResult(
         partition_key=partition_key,

@@ -51,21 +51,37 @@ def estimate_bytes(tokens: int, samples: int, n_states: int, hidden_size: int, d
 
 
 def read_ok_responses(layout: DataLayout, partition_key: str) -> tuple[pl.DataFrame, int]:
+    ok, failed, _digest = read_ok_responses_with_digest(layout, partition_key)
+    return ok, failed
+
+
+def read_ok_responses_with_digest(layout: DataLayout, partition_key: str) -> tuple[pl.DataFrame, int, str]:
+    """(ok responses sorted by sample_id, failed count, digest of exactly the bytes parsed).
+
+    The file is read once into memory and both parsed and hashed from those bytes, so the digest a build's lineage
+    records is that of what it read, even when the partition is regenerated (renamed over) meanwhile.
+    """
+    import hashlib
+    import io
+
     import polars as pl
 
     path = layout.responses_path(partition_key)
-    if not path.exists():
-        raise FileNotFoundError(f"no synthetic_responses partition {partition_key!r} at {path}")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no synthetic_responses partition {partition_key!r} at {path}") from None
+    digest = hashlib.sha256(data).hexdigest()[:32]  # storage.file_digest's form: comparable with data versions
     columns = ["sample_id", "messages", "reasoning", "content", "status"]
     # partitions generated before the token-id columns existed (or by a server without them) render instead
-    served = [c for c in TOKEN_ID_COLUMNS if c in pl.read_parquet_schema(path)]
-    frame = pl.read_parquet(path, columns=columns + served)
+    served = [c for c in TOKEN_ID_COLUMNS if c in pl.read_parquet_schema(io.BytesIO(data))]
+    frame = pl.read_parquet(io.BytesIO(data), columns=columns + served)
     for column in set(TOKEN_ID_COLUMNS) - set(served):
         frame = frame.with_columns(pl.lit(None, dtype=pl.List(pl.Int64)).alias(column))
     ok = frame.filter(pl.col("status") == "ok").sort("sample_id")
     if ok["sample_id"].n_unique() != ok.height:
         raise ValueError(f"{path} repeats a sample_id among its ok responses")
-    return ok, frame.height - ok.height
+    return ok, frame.height - ok.height, digest
 
 
 def render_rows(

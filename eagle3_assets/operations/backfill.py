@@ -13,6 +13,10 @@ UI's launch dialog and the GraphQL ``launchPartitionBackfill`` mutation store. I
 ``dagster-daemon`` (started by ``dagster dev``) picks it up, launches one run per partition through the run
 queue and the ``vllm`` pool, and the backfill appears under Overview > Backfills.
 
+A ``hidden_states`` partition built from other responses than the file on disk, or with another verifier or other
+layer ids than the environment's, is planned too (``lineage.stale_hidden_states``); planning first finishes a
+publish a kill interrupted (``publish.recover_idle``).
+
 Downstream: descendants partitioned like the anchor asset (hidden_states) get the anchor's targets plus
 their own missing/failed partitions, so a partition whose responses exist is not regenerated just because
 its hidden states are missing.
@@ -20,9 +24,9 @@ its hidden states are missing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.operations.common import (
     FAILED,
@@ -34,6 +38,7 @@ from eagle3_assets.operations.common import (
     partitioned_downstream,
     partitions_def_of,
     registered_partition_keys,
+    stale_downstream,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +58,7 @@ class BackfillPlan:
     status: dict[str, dict[str, str]]  # asset -> partition -> materialized/failed/in_progress/missing
     targets: dict[str, list[str]] = field(default_factory=dict)  # asset -> partitions to (re)materialize
     stale: dict[str, str] = field(default_factory=dict)  # anchor partition -> why its file is out of date
+    stale_downstream: dict[str, str] = field(default_factory=dict)  # hidden_states partition -> why it is stale
 
     @property
     def empty(self) -> bool:
@@ -62,7 +68,11 @@ class BackfillPlan:
         lines = []
         for name, keys in self.targets.items():
             states = self.status.get(name, {})
-            detail = ", ".join(f"{k} ({self.stale.get(k) or states.get(k, MISSING)})" for k in keys) or "nothing"
+            why = self.stale_downstream if name == "hidden_states" else {}
+            detail = (
+                ", ".join(f"{k} ({why.get(k) or self.stale.get(k) or states.get(k, MISSING)})" for k in keys)
+                or "nothing"
+            )
             lines.append(f"{name}: {len(keys)} partition(s): {detail}")
         busy = sorted(k for k, s in self.status.get(self.asset, {}).items() if s == IN_PROGRESS)
         if busy:
@@ -77,9 +87,11 @@ def plan_missing(
     downstream: bool = True,
     graph: BaseAssetGraph | None = None,
     layout: DataLayout | None = None,
+    extraction: Mapping[str, Any] | None = None,
 ) -> BackfillPlan:
     """Which partitions of ``asset`` (and its partitioned descendants) are missing or failed, or (given
-    ``layout``) hold responses to another prompt set than the partition has now."""
+    ``layout``) hold responses to another prompt set than the partition has now, or hidden states built from
+    other responses or settings (``extraction``; None: the environment's) than the current ones."""
     graph = graph or load_asset_graph()
     anchor = asset_key(asset)
     partitions_def = partitions_def_of(graph, anchor)
@@ -100,6 +112,8 @@ def plan_missing(
         from eagle3_assets.lineage import prompt_drift
 
         plan.stale = {k: d.describe() for k, d in prompt_drift(layout, scope).items()}
+    if layout is not None:
+        plan.stale_downstream = stale_downstream(layout, scope, extraction)
     chosen: set[str] = set()
     failed_checks = _failed_checks(layout, [anchor, *partitioned_downstream(graph, anchor)], scope)
     for key in [anchor, *(partitioned_downstream(graph, anchor) if downstream else [])]:
@@ -108,6 +122,8 @@ def plan_missing(
         plan.status[name] = states
         own = {k for k, s in states.items() if s in (MISSING, FAILED)}
         own |= {k for k in failed_checks.get(name, {}) if states.get(k) != IN_PROGRESS}
+        if name == "hidden_states":  # built from other responses or settings: Dagster may still call it fresh
+            own |= {k for k in plan.stale_downstream if states.get(k) != IN_PROGRESS}
         if key == anchor:
             for k, why in failed_checks.get(name, {}).items():
                 plan.stale.setdefault(k, why)

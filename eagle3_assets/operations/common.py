@@ -127,3 +127,39 @@ def partitioned_downstream(graph: BaseAssetGraph, key: dg.AssetKey) -> list[dg.A
         frontier.extend(graph.get(child).child_keys)
     order = [k for level in graph.toposorted_asset_keys_by_level for k in sorted(level) if k in seen]
     return order
+
+
+def current_extraction_settings(layout: Any) -> dict[str, Any]:
+    """The verifier content and layer ids the environment's settings (``EAGLE3_VERIFIER_PATH``,
+    ``EAGLE3_LAYER_IDS``) would extract hidden states with now; empty when no verifier is configured or readable
+    (then only the responses are compared). max_seq_len and dtype are per-run config, so they are not compared."""
+    import json
+
+    from eagle3_assets.defs.resources import VerifierResource
+    from eagle3_assets.hidden_states.backends import resolve_layer_ids
+    from eagle3_assets.lineage import verifier_fingerprint
+
+    try:
+        verifier = VerifierResource.from_env()
+        path = verifier.resolved_path()
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config", config)  # multimodal wrappers keep the LM config inside
+        layer_ids = resolve_layer_ids(verifier.layer_id_list(), int(config["num_hidden_layers"]))
+    except Exception:  # no verifier here: nothing to compare the settings with
+        return {}
+    return {
+        "verifier": verifier_fingerprint(path, cache_dir=layout.asset_dir("hidden_states")),
+        "layer_ids": layer_ids,
+    }
+
+
+def stale_downstream(layout: Any, keys: Sequence[str] | None, extraction: Any = None) -> dict[str, str]:
+    """hidden_states partitions built from other responses or settings than the current ones (key -> why), after
+    finishing any publish a kill interrupted (``publish.recover_idle``). ``extraction`` None: the environment's."""
+    from eagle3_assets import publish
+    from eagle3_assets.lineage import stale_hidden_states
+
+    publish.recover_idle(layout, keys)
+    if extraction is None:
+        extraction = current_extraction_settings(layout)
+    return stale_hidden_states(layout, keys, extraction)

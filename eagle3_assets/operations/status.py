@@ -5,14 +5,18 @@ materialized: run ``eagle3 sync``), ``dagster only`` (a recorded materialization
 missing-only backfill will NOT regenerate it; wipe the partition in the UI or materialize it again) or
 ``neither``. A ``synthetic_responses`` file that no longer answers its partition's prompt set (prompts appended
 to a half-full partition, edited or dropped) is noted ``prompts changed``: ``eagle3 backfill --missing`` plans
-it; so is a partition whose recorded (blocking) checks failed (noted ``checks failed``). ``rows`` compares the
-file's footer with the ``dagster/partition_row_count`` of the latest materialization.
+it; so is a partition whose recorded (blocking) checks failed (noted ``checks failed``), and a ``hidden_states``
+partition built from other responses than the file on disk, or with another verifier or other layer ids than the
+environment's (noted ``built from other responses`` / ``built with other settings``). Listing first finishes a
+publish a kill interrupted (``publish.recover_idle``: a missing pointer beside a complete version is restored).
+``rows`` compares the file's footer with the ``dagster/partition_row_count`` of the latest materialization.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.operations.common import (
     MATERIALIZED,
@@ -21,6 +25,7 @@ from eagle3_assets.operations.common import (
     load_asset_graph,
     partition_status,
     registered_partition_keys,
+    stale_downstream,
 )
 from eagle3_assets.storage import PARTITIONED_ASSETS, DataLayout, footer_row_counts
 
@@ -55,13 +60,19 @@ class PartitionRow:
 
 
 def partition_table(
-    instance: dg.DagsterInstance, layout: DataLayout, graph: BaseAssetGraph | None = None
+    instance: dg.DagsterInstance,
+    layout: DataLayout,
+    graph: BaseAssetGraph | None = None,
+    extraction: Mapping[str, Any] | None = None,
 ) -> list[PartitionRow]:
+    """One row per partition of each partitioned asset. ``extraction``: the hidden-states settings to compare
+    with (None: the environment's, see ``common.current_extraction_settings``)."""
     graph = graph or load_asset_graph()
     from eagle3_assets.lineage import prompt_drift
 
     rows: list[PartitionRow] = []
     drift = {k: d.describe() for k, d in prompt_drift(layout).items()}
+    downstream = stale_downstream(layout, None, extraction)  # also restores a publish a kill interrupted
     for name in PARTITIONED_ASSETS:
         key = asset_key(name)
         files = layout.partition_files(name)
@@ -95,7 +106,9 @@ def partition_table(
                     record.row_count if record else None,
                     bool(record and not record.run_id),
                     errors.get(partition, ""),
-                    drift.get(partition) or _failed_checks(layout, name, partition),
+                    drift.get(partition)
+                    or _failed_checks(layout, name, partition)
+                    or (downstream.get(partition, "") if name == "hidden_states" else ""),
                 )
             )
     return rows

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.storage import DataLayout
 from eagle3_assets.training.config import TrainConfig
 from eagle3_assets.training.online import OnlineExtraction, online_loader
 from eagle3_assets.training.ranks import Ranks
@@ -16,27 +15,6 @@ if TYPE_CHECKING:
     import torch
 
 SINGLE_PROCESS = Ranks()
-
-
-def partition_meta(layout: DataLayout, keys: Sequence[str]) -> dict[str, Any]:
-    """The partitions' shared extraction metadata; an error names the two that disagree."""
-    from eagle3_assets.hidden_states.extract import read_meta
-
-    metas = {}
-    for key in keys:
-        if not layout.hidden_states_index_path(key).exists():
-            index = layout.hidden_states_index_path(key)
-            raise FileNotFoundError(f"hidden_states partition {key} is not complete (no {index})")
-        metas[key] = read_meta(layout, key)
-    first_key, first = next(iter(metas.items()))
-    for key, meta in metas.items():
-        for name in ("layer_ids", "hidden_size", "vocab_size"):
-            if meta[name] != first[name]:
-                raise ValueError(
-                    f"hidden_states partitions disagree on {name}: {first_key} has {first[name]}, "
-                    f"{key} has {meta[name]} (re-extract them with the same verifier and layer_ids)"
-                )
-    return first
 
 
 def _require_state_files(data_dir: Path, samples: int) -> None:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,7 @@ from eagle3_assets.precision import resolve_precision
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
-from eagle3_assets.training.data import make_loader, partition_meta, to_device
+from eagle3_assets.training.data import make_loader, to_device
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
 from eagle3_assets.training.online import (
     ONLINE_TIME_KEY,
@@ -41,6 +41,7 @@ from eagle3_assets.training.online import (
     online_extraction,
     serving,
 )
+from eagle3_assets.training.pinning import partition_meta, pinned_partitions
 from eagle3_assets.training.ranks import Ranks
 
 if TYPE_CHECKING:
@@ -159,6 +160,7 @@ def _prepare(
     config: TrainConfig,
     ranks: Ranks,
     say: Callable[[str], None],
+    dirs: Mapping[str, Path],
     online: OnlineExtraction | None = None,
 ) -> _Run:
     """The draft (seeded, DDP-wrapped with several ranks), loaders, optimizers, schedulers and the fingerprint."""
@@ -191,8 +193,8 @@ def _prepare(
     per_rank = config.tokens_per_batch // ranks.world
     loader_args = (per_rank, hidden_size, len(layer_ids), hs_dtype, config.seed)
     sources = {"online": online, "config": config}
-    train_loader = make_loader([layout.hidden_states_dir(k) for k in train_keys], *loader_args, ranks=ranks, **sources)
-    val_loader = make_loader([layout.hidden_states_dir(val_key)], config.tokens_per_batch, *loader_args[1:], **sources)
+    train_loader = make_loader([dirs[k] for k in train_keys], *loader_args, ranks=ranks, **sources)  # pinned versions
+    val_loader = make_loader([dirs[val_key]], config.tokens_per_batch, *loader_args[1:], **sources)
     steps = len(train_loader)
     if config.max_steps_per_epoch is not None:
         steps = min(steps, config.max_steps_per_epoch)
@@ -204,7 +206,7 @@ def _prepare(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
     )
     # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
-    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path)
+    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path, dirs)
     history: dict[str, Any] = {
         **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},
         "loss_curve": [],
@@ -353,17 +355,19 @@ def train_draft(
     ranks = Ranks.current()
     say = (log or logger.info) if ranks.main else logger.debug
     verifier_path = Path(verifier_path).expanduser().resolve()
-    meta = partition_meta(layout, [*train_keys, val_key])
     out_dir = layout.draft_model_dir
     ckpt_dir, final_dir = out_dir / ckpt.CHECKPOINT_DIR, out_dir / ckpt.FINAL_DIR
 
-    online = online_extraction(config, verifier_path, meta)
-    with (
-        _main_rank_lock(layout, ranks, (out_dir, ckpt_dir)),
-        torch_threads(config.num_threads),
-        serving(online, out_dir / ONLINE_TRANSFER_DIR) as online,
-    ):
-        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say, online)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_main_rank_lock(layout, ranks, (out_dir, ckpt_dir)))
+        dirs = stack.enter_context(pinned_partitions(layout, [*train_keys, val_key], ranks))
+        stack.enter_context(torch_threads(config.num_threads))
+        meta = partition_meta(layout, [*train_keys, val_key], dirs)
+        # online: the extraction side (an embedded server when asked for) lives as long as the run
+        online = stack.enter_context(
+            serving(online_extraction(config, verifier_path, meta), out_dir / ONLINE_TRANSFER_DIR)
+        )
+        run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say, dirs, online)
         resumed_from = _resume_or_baseline(run, ckpt_dir)
         start_epoch = 0 if resumed_from is None else resumed_from + 1
         timing = _Timing()

@@ -9,8 +9,11 @@ more tokens than the verifier; this is the case for tiny verifiers with the defa
 says so in ``notes``. When the two sizes are equal speculators treats the draft as full-vocabulary and ignores
 the mappings, which is exactly right.
 
-Written to ``layout.vocab_mapping_dir``: ``d2t.npy``, ``t2d.npy`` (the files speculators' CLI takes as
-``--d2t-path``/``--t2d-path``), ``token_freq.pt`` (the merged counts) and ``vocab.json`` (sizes, coverage).
+Written to ``layout.vocab_mapping_dir``: ``vocab_mapping.safetensors`` (``d2t`` and ``t2d`` in ONE file written
+atomically, so they always come from the same build; checked on every load), ``token_freq.pt`` (the merged counts)
+and ``vocab.json`` (sizes, coverage). speculators' CLI takes ``--d2t-path``/``--t2d-path`` as .npy files:
+``python -c "from safetensors.numpy import load_file; import numpy as np; m = load_file('vocab_mapping.safetensors');
+[np.save(k + '.npy', v) for k, v in m.items()]"`` writes them.
 """
 
 from __future__ import annotations
@@ -20,14 +23,23 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout, exclusive_lock, write_bytes_atomic, write_json_atomic
 
-D2T_FILE = "d2t.npy"
-T2D_FILE = "t2d.npy"
+MAPPING_FILE = "vocab_mapping.safetensors"
+LEGACY_FILES = ("d2t.npy", "t2d.npy")  # two separate files of earlier versions (could disagree): replaced
 FREQ_FILE = "token_freq.pt"
 SUMMARY_FILE = "vocab.json"
+REMEDY = (
+    "re-materialize vocab_mapping (the UI, or `dagster asset materialize -m eagle3_assets.definitions "
+    "--select vocab_mapping`)"
+)
+
+
+class VocabMappingError(ValueError):
+    """A vocabulary mapping that is missing a tensor, has the wrong shapes, or whose d2t and t2d disagree."""
 
 
 @dataclass
@@ -40,29 +52,68 @@ class VocabResult:
     loss_tokens: int  # loss-masked tokens counted
     coverage: float  # share of loss-masked tokens whose id is in the draft vocabulary
     partitions: list[str]
-    d2t_path: Path
-    t2d_path: Path
+    mapping_path: Path  # vocab_mapping.safetensors: d2t and t2d
     token_freq_path: Path
     notes: list[str] = field(default_factory=list)
 
 
-def _npy_bytes(array: object) -> bytes:
-    import numpy as np
-
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
-def load_vocab_mapping(layout: DataLayout) -> tuple[object, object] | None:
-    """(d2t, t2d) as torch tensors, or None when no mapping was built."""
-    import numpy as np
+def check_vocab_mapping(d2t: Any, t2d: Any, path: Path, remedy: str = REMEDY) -> None:
+    """Raise VocabMappingError (naming ``path`` and ``remedy``) unless d2t (int [draft]) and t2d (bool [target])
+    describe the same draft vocabulary: t2d marks exactly ``draft`` target ids, and draft id i is target id
+    i + d2t[i] for each of them, in order."""
     import torch
 
-    d2t, t2d = layout.vocab_mapping_dir / D2T_FILE, layout.vocab_mapping_dir / T2D_FILE
-    if not (d2t.exists() and t2d.exists()):
+    def fail(why: str) -> VocabMappingError:
+        return VocabMappingError(f"vocabulary mapping {path}: {why}; {remedy}")
+
+    if d2t is None or t2d is None:
+        raise fail("d2t or t2d is missing")
+    if d2t.dim() != 1 or t2d.dim() != 1 or d2t.dtype.is_floating_point or t2d.dtype != torch.bool:
+        raise fail(f"d2t must be a 1-D integer tensor and t2d a 1-D bool one, got {d2t.dtype}{list(d2t.shape)} "
+                   f"and {t2d.dtype}{list(t2d.shape)}")  # fmt: skip
+    draft, target = int(d2t.shape[0]), int(t2d.shape[0])
+    if draft > target or int(t2d.sum()) != draft:
+        raise fail(f"d2t has {draft} draft tokens but t2d marks {int(t2d.sum())} of {target} target tokens")
+    mapped = torch.arange(draft, dtype=torch.long) + d2t.long()
+    if not torch.equal(torch.nonzero(t2d).flatten(), mapped):
+        raise fail("d2t and t2d disagree on which target token a draft token is (built by two different runs?)")
+
+
+def save_vocab_mapping(d2t: Any, t2d: Any, path: Path) -> None:
+    """Both tensors in one safetensors file, written to a temporary name and renamed: never half of a pair."""
+    from safetensors.torch import save
+
+    data = save(
+        {"d2t": d2t.to(dtype=d2t.dtype).contiguous(), "t2d": t2d.contiguous()},
+        metadata={"draft_vocab_size": str(int(d2t.shape[0])), "target_vocab_size": str(int(t2d.shape[0]))},
+    )
+    write_bytes_atomic(data, path)
+
+
+def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
+    """(d2t, t2d) as torch tensors, checked (VocabMappingError names the file and the remedy); None when no
+    mapping was built."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = layout.vocab_mapping_dir / MAPPING_FILE
+    if not path.exists():
+        legacy = [
+            layout.vocab_mapping_dir / name for name in LEGACY_FILES if (layout.vocab_mapping_dir / name).exists()
+        ]
+        if legacy:
+            raise VocabMappingError(
+                f"vocabulary mapping {legacy[0]} is in the two-file layout of an earlier version (d2t and t2d written "
+                f"separately, never checked to agree); {REMEDY}"
+            )
         return None
-    return torch.from_numpy(np.load(d2t)), torch.from_numpy(np.load(t2d))
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise VocabMappingError(f"vocabulary mapping {path} is unreadable ({error}); {REMEDY}") from error
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    check_vocab_mapping(d2t, t2d, path)
+    return d2t, t2d
 
 
 def build_vocab_mapping(
@@ -116,8 +167,10 @@ def build_vocab_mapping(
         buffer = io.BytesIO()
         torch.save(freq, buffer)
         write_bytes_atomic(buffer.getvalue(), out / FREQ_FILE)
-        write_bytes_atomic(_npy_bytes(d2t.numpy()), out / D2T_FILE)
-        write_bytes_atomic(_npy_bytes(t2d.numpy()), out / T2D_FILE)
+        check_vocab_mapping(d2t, t2d, out / MAPPING_FILE, "a bug in the vocabulary build: report it")
+        save_vocab_mapping(d2t, t2d, out / MAPPING_FILE)
+        for name in LEGACY_FILES:  # an earlier version's pair would contradict the one mapping
+            (out / name).unlink(missing_ok=True)
         result = VocabResult(
             draft_vocab_size=size,
             requested_draft_vocab_size=draft_vocab_size,
@@ -127,8 +180,7 @@ def build_vocab_mapping(
             loss_tokens=loss_tokens,
             coverage=coverage,
             partitions=list(partition_keys),
-            d2t_path=out / D2T_FILE,
-            t2d_path=out / T2D_FILE,
+            mapping_path=out / MAPPING_FILE,
             token_freq_path=out / FREQ_FILE,
             notes=notes,
         )

@@ -17,7 +17,7 @@ import pytest
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
-from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
+from eagle3_assets.training import TrainConfig, build_vocab_mapping, load_vocab_mapping, train_draft
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_vocab_mapping_coverage_and_cap(data: DataLayout) -> None:
     import torch
 
     result = build_vocab_mapping(data, KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
-    d2t, t2d = np.load(result.d2t_path), np.load(result.t2d_path)
+    d2t, t2d = (tensor.numpy() for tensor in load_vocab_mapping(data))  # one file: vocab_mapping.safetensors
     assert d2t.shape == (256,) and t2d.shape == (1024,) and int(t2d.sum()) == 256
     assert np.array_equal(np.nonzero(t2d)[0], np.arange(256) + d2t)  # target id = i + d2t[i]
     freq = torch.load(result.token_freq_path, weights_only=True)
@@ -90,7 +90,7 @@ def test_training_beats_the_untrained_draft_and_reloads(data: DataLayout, verifi
     reloaded = SpeculatorModel.from_pretrained(str(result.final_dir))
     assert type(reloaded).__name__ == "Eagle3DraftModel"
     assert reloaded.draft_vocab_size == 256
-    assert torch.equal(reloaded.d2t, torch.from_numpy(__import__("numpy").load(layout.vocab_mapping_dir / "d2t.npy")))
+    assert torch.equal(reloaded.d2t, load_vocab_mapping(layout)[0])
     assert not torch.isnan(reloaded.lm_head.weight).any() and not torch.isnan(reloaded.embed_tokens.weight).any()
 
 
