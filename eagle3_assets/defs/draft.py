@@ -107,6 +107,16 @@ class DraftModelRunConfig(SettingsConfig):
         check=settings.one_of("token_copy", "speculators"),
     )
     num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+    hidden_states_source: str = setting(
+        "stored",
+        description="`stored` (the partitions' files), `online` (each batch's states computed while training by "
+        "EAGLE3_HIDDEN_STATES_BACKEND, nothing stored; every epoch re-extracts) or `hybrid` (stored files, the rest "
+        "online).",
+        check=settings.one_of("stored", "online", "hybrid"),
+    )
+    prefetch_batches: int = setting(
+        2, description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).", gt=0
+    )
 
 
 def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
@@ -126,6 +136,11 @@ def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "Tr
         init=config.init,
         num_threads=config.num_threads,
         procs=verifier.train_procs,
+        hidden_states_source=config.hidden_states_source,
+        online_backend=verifier.hidden_states_backend,
+        online_urls=tuple(verifier.hidden_states_urls()),
+        online_storage=verifier.hidden_states_storage or None,
+        prefetch_batches=config.prefetch_batches,
     )
 
 
@@ -235,6 +250,9 @@ def draft_model(
             "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
             "seconds": round(result.seconds, 1),
             "seconds_per_step": round(result.seconds_per_step, 3),
+            # where the states came from (stored files or computed online) and the time split of this run
+            "hidden_states_source": result.hidden_states.get("source", "stored"),
+            "hidden_states_time_s": dg.MetadataValue.json(result.hidden_states),
             "train_partitions": dg.MetadataValue.json(result.train_partitions),
             "val_partition": result.val_partition,
             "layer_ids": dg.MetadataValue.json(result.layer_ids),

@@ -35,6 +35,12 @@ class HiddenStatesRunConfig(SettingsConfig):
     )
     batch_tokens: int = setting(8192, description="hf backend: padded tokens per forward pass.", gt=0)
     concurrency: int = setting(32, description="vllm backend: requests in flight over the extraction servers.", gt=0)
+    store_budget_gib: float | None = setting(
+        None,
+        description="State files kept per partition, GiB: empty stores all; 0 stores none (draft_model trains "
+        "online); more keeps the first samples (hybrid).",
+        ge=0.0,
+    )
 
 
 def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> "HiddenStatesConfig":
@@ -51,6 +57,7 @@ def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResour
         device=verifier.device,
         precision=verifier.precision,
         batch_tokens=config.batch_tokens,
+        store_budget_bytes=None if config.store_budget_gib is None else int(config.store_budget_gib * 2**30),
         vllm=VLLMBackendOptions(
             urls=tuple(verifier.hidden_states_urls()),
             storage_path=verifier.hidden_states_storage or None,
@@ -118,6 +125,8 @@ def hidden_states(
             # one row per stored sample in the partition's index (the tensors are in safetensors files)
             **parquet_table(result.index_path, result.samples, partitioned=True),
             "stored": result.stored,
+            # how many samples keep a state file (all, unless built for online or hybrid training)
+            "samples_with_states": result.samples_with_states,
             "skipped_existing": result.skipped_existing,
             "failed_responses_excluded": result.failed_responses_excluded,
             "truncated_at_max_seq_len": result.truncated,

@@ -178,6 +178,12 @@ def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None
     if not index_path.exists():
         raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
     index = pl.read_parquet(index_path).sort("row")
+    index = index.filter(index["file"].is_not_null())  # a partition built for online training stores some or none
+    if index.height == 0:
+        raise ValueError(
+            f"hidden_states partition {partition_key} stores no states (built with store_budget_bytes=0 for online "
+            "training): offline evaluation reads stored states; re-materialize it without a store budget"
+        )
     dataset = load_from_disk(str(data_dir))
     for n, rec in enumerate(index.iter_rows(named=True)):
         if max_samples is not None and n >= max_samples:

@@ -33,6 +33,13 @@ def _load_index(layout: DataLayout, partition_key: str) -> pl.DataFrame:
     return pl.read_parquet(layout.hidden_states_index_path(partition_key))
 
 
+def _stored_rows(layout: DataLayout, partition_key: str) -> set[int]:
+    """Rows whose state file the index lists (all of them, unless the partition was built with a store budget for
+    online or hybrid training)."""
+    index = _load_index(layout, partition_key)
+    return set(index.filter(index["file"].is_not_null())["row"].to_list())
+
+
 def check_token_ids(layout: DataLayout, partition_key: str) -> CheckOutcome:
     """Every stored sample's ``token_ids`` equal its dataset row's ``input_ids`` (what speculators' loader needs)."""
     from datasets import load_from_disk
@@ -40,8 +47,11 @@ def check_token_ids(layout: DataLayout, partition_key: str) -> CheckOutcome:
 
     data_dir = layout.hidden_states_dir(partition_key)
     dataset = load_from_disk(str(data_dir)).with_format(None)
+    stored = _stored_rows(layout, partition_key)
     bad = []
     for row, ids in enumerate(dataset["input_ids"]):
+        if row not in stored:
+            continue
         with safe_open(str(hs_file(data_dir, row)), framework="pt") as handle:
             if handle.get_tensor("token_ids").tolist() != list(ids):
                 bad.append(row)
@@ -58,7 +68,7 @@ def check_finite(layout: DataLayout, partition_key: str) -> CheckOutcome:
     data_dir = layout.hidden_states_dir(partition_key)
     index = _load_index(layout, partition_key)
     bad = []
-    for row in index["row"].to_list():
+    for row in sorted(_stored_rows(layout, partition_key)):
         hs = load_states(hs_file(data_dir, row))
         if not bool(torch.isfinite(hs).all()):
             bad.append(row)
@@ -75,7 +85,7 @@ def check_one_per_ok_response(layout: DataLayout, partition_key: str) -> CheckOu
     extra = sorted(set(stored) - expected)
     dupes = len(stored) - len(set(stored))
     data_dir = layout.hidden_states_dir(partition_key)
-    absent = [r for r in index["row"].to_list() if not hs_file(data_dir, r).exists()]
+    absent = [r for r in sorted(_stored_rows(layout, partition_key)) if not hs_file(data_dir, r).exists()]
     passed = not (missing or extra or dupes or absent)
     return CheckOutcome(
         passed,

@@ -99,6 +99,10 @@ class HiddenStatesConfig:
     batch_tokens: int = 8192  # padded tokens per forward pass
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
+    # Bytes of state files to keep (training/online.py): None stores every sample; 0 stores none (an online
+    # partition: token ids, masks, frequencies and lineage only, the states computed while training); N stores the
+    # first rows up to ~N bytes (hybrid training reads those and fetches the rest).
+    store_budget_bytes: int | None = None
 
     def validate(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
@@ -109,6 +113,8 @@ class HiddenStatesConfig:
             raise ConfigError(f"batch_tokens={self.batch_tokens!r}: must be a positive integer")
         if self.backend not in BACKEND_NAMES:
             raise ConfigError(f"backend={self.backend!r}: must be one of {', '.join(BACKEND_NAMES)}")
+        if self.store_budget_bytes is not None and self.store_budget_bytes < 0:
+            raise ConfigError(f"store_budget_bytes={self.store_budget_bytes!r}: must be >= 0 or None (store all)")
 
 
 @dataclass
@@ -134,6 +140,7 @@ class HiddenStatesResult:
     index_path: Path
     notes: list[str] = field(default_factory=list)
     served_token_ids: int = 0  # samples trained on the server's own token ids (the rest were re-rendered)
+    samples_with_states: int = 0  # samples with a stored state file (fewer under a store budget: online training)
 
 
 def _save_dataset(data_dir: Path, rows: list[Row]) -> None:
@@ -247,6 +254,7 @@ def _finish(
     meta: dict[str, Any],
     extraction: Any,
     responses_digest: str,
+    kept: set[int],
 ) -> tuple[int, Path]:
     """The training dataset, token frequencies, metadata, index and lineage record in the staging folder, then
     the partition published whole with one atomic switch; returns the sample files' bytes and the folder."""
@@ -255,7 +263,7 @@ def _finish(
     _save_dataset(staging, rows)
     _save_token_freq(staging, rows)
     write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)
-    total = int(_write_index(staging / INDEX_FILE, staging, rows)["bytes"].sum())
+    total = int(_write_index(staging / INDEX_FILE, staging, rows, kept)["bytes"].sum())
     lineage.record_hidden_states(staging, partition_key, extraction, responses_digest)
     data_dir = lineage.publish_hidden_states(layout, partition_key, staging)
     return total, data_dir
@@ -294,8 +302,7 @@ def extract_partition(
         data_dir = lineage.begin_hidden_states(layout, partition_key, extraction)
         rows, served = render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
         _cleanup(data_dir, len(rows))
-        pending, reasons = _pending_rows(rows, data_dir, n_states, shape.hidden_size, config.dtype)
-        notes = [f"redone {n} stored sample file(s): {why}" for why, n in reasons.items()]
+        kept, pending, notes = _plan_rows(rows, data_dir, config, n_states, shape.hidden_size)
         if served < len(rows):
             notes.append(
                 f"{len(rows) - served} of {len(rows)} responses carry no token ids (generated without "
@@ -312,15 +319,16 @@ def extract_partition(
         meta = {
             "layer_ids": layer_ids, "hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
             "vocab_size": shape.vocab_size, "dtype": config.dtype, "max_seq_len": config.max_seq_len,
-            "verifier_path": str(verifier_path),
+            "verifier_path": str(verifier_path), "stored_samples": len(kept),
         }  # fmt: skip
-        total_bytes, data_dir = _finish(layout, partition_key, data_dir, rows, meta, extraction, responses_digest)
+        total_bytes, data_dir = _finish(layout, partition_key, data_dir, rows, meta, extraction, responses_digest, kept)
 
     return HiddenStatesResult(
         partition_key=partition_key,
         samples=len(rows),
         stored=len(pending),
-        skipped_existing=len(rows) - len(pending),
+        skipped_existing=len(kept) - len(pending),
+        samples_with_states=len(kept),
         failed_responses_excluded=failed,
         truncated=sum(r.truncated for r in rows),
         zero_loss_samples=sum(1 for r in rows if not any(r.loss_mask)),
@@ -383,7 +391,35 @@ def _run_backend(backend: Any, pending: list[Row], data_dir: Path, storage: str,
     return written
 
 
-def _write_index(index_path: Path, data_dir: Path, rows: list[Row]) -> pl.DataFrame:
+def _plan_rows(
+    rows: list[Row], data_dir: Path, config: HiddenStatesConfig, n_states: int, hidden_size: int
+) -> tuple[set[int], list[Row], list[str]]:
+    """(rows that keep a state file, those of them to compute, notes on files redone)."""
+    kept = _rows_within_budget(rows, data_dir, config.store_budget_bytes, n_states, hidden_size, config.dtype)
+    pending, reasons = _pending_rows([r for r in rows if r.row in kept], data_dir, n_states, hidden_size, config.dtype)
+    return kept, pending, [f"redone {n} stored sample file(s): {why}" for why, n in reasons.items()]
+
+
+def _rows_within_budget(
+    rows: list[Row], data_dir: Path, budget: int | None, n_states: int, hidden_size: int, dtype: str
+) -> set[int]:
+    """The rows whose state files the partition keeps: all, or the first ones within ``budget`` bytes. Files of
+    the other rows (left by a build with a larger budget) are removed, so the folder holds what its index says."""
+    if budget is None:
+        return {r.row for r in rows}
+    kept, used = set(), 0
+    for r in rows:
+        used += estimate_bytes(len(r.input_ids), 1, n_states, hidden_size, dtype)
+        if used > budget:
+            break
+        kept.add(r.row)
+    for r in rows:
+        if r.row not in kept:
+            hs_file(data_dir, r.row).unlink(missing_ok=True)
+    return kept
+
+
+def _write_index(index_path: Path, data_dir: Path, rows: list[Row], kept: set[int]) -> pl.DataFrame:
     import polars as pl
 
     frame = pl.DataFrame(
@@ -392,8 +428,9 @@ def _write_index(index_path: Path, data_dir: Path, rows: list[Row]) -> pl.DataFr
             "row": [r.row for r in rows],
             "seq_len": [len(r.input_ids) for r in rows],
             "n_loss_tokens": [sum(r.loss_mask) for r in rows],
-            "file": [f"{HS_SUBDIR}/hs_{r.row}.safetensors" for r in rows],
-            "bytes": [hs_file(data_dir, r.row).stat().st_size for r in rows],
+            # a row without a stored file (online or hybrid partition): no file, 0 bytes
+            "file": [f"{HS_SUBDIR}/hs_{r.row}.safetensors" if r.row in kept else None for r in rows],
+            "bytes": [hs_file(data_dir, r.row).stat().st_size if r.row in kept else 0 for r in rows],
         },
         schema={
             "sample_id": pl.String,

@@ -87,3 +87,36 @@ def test_stored_mode_names_the_missing_file_and_the_online_setting(stored: DataL
     layout = _copy(stored, tmp_path / "data", keep_files=0)
     with pytest.raises(Exception, match="hidden_states_source"):
         train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), BASE)
+
+
+def test_an_online_partition_stores_no_states_and_passes_its_checks(tmp_path: Path) -> None:
+    """store_budget_bytes=0: index, dataset, frequencies and lineage, no state file; the checks pass on what is
+    stored; a budget keeps the first samples' files (hybrid) and removes the rest; offline evaluation says why it
+    cannot read an online partition."""
+    import polars as pl
+
+    from eagle3_assets.evaluation.offline import iter_samples
+    from eagle3_assets.hidden_states import check_finite, check_one_per_ok_response, check_token_ids
+
+    layout = DataLayout.at(tmp_path / "data")
+    fabricate_responses(layout, KEYS[0], 12, min_words=20, max_words=40)
+    verifier = cached_tiny_verifier()
+    online = extract_partition(layout, KEYS[0], verifier, HiddenStatesConfig(layer_ids=LAYERS, store_budget_bytes=0))
+    assert online.samples == 12 and online.samples_with_states == 0 and online.bytes == 0
+    assert _state_files(layout) == 0
+    index = pl.read_parquet(layout.hidden_states_index_path(KEYS[0]))
+    assert index.height == 12 and index["file"].null_count() == 12
+    for check in (check_token_ids, check_finite, check_one_per_ok_response):
+        assert check(layout, KEYS[0]).passed, check.__name__
+    with pytest.raises(ValueError, match="stores no states"):
+        next(iter_samples(layout, KEYS[0]))
+
+    full = extract_partition(layout, KEYS[0], verifier, HiddenStatesConfig(layer_ids=LAYERS))
+    assert full.samples_with_states == 12 and _state_files(layout) == 12
+    per_sample = full.bytes // 12
+    hybrid = extract_partition(
+        layout, KEYS[0], verifier, HiddenStatesConfig(layer_ids=LAYERS, store_budget_bytes=5 * per_sample)
+    )
+    assert 0 < hybrid.samples_with_states < 12 and hybrid.stored == 0  # kept files reused, none recomputed
+    assert len(list(layout.hidden_states_dir(KEYS[0]).glob("hidden_states/hs_*"))) == hybrid.samples_with_states
+    assert check_one_per_ok_response(layout, KEYS[0]).passed
