@@ -34,7 +34,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> DataLayout:
 def _copy(src: DataLayout, dst: Path, keep_files: int | None) -> DataLayout:
     """hidden states + vocab mapping; of each partition's state files keep the first ``keep_files`` (None: all)."""
     for asset in ("hidden_states", "vocab_mapping"):
-        shutil.copytree(src.asset_dir(asset), dst / asset, ignore=shutil.ignore_patterns("_locks"))
+        shutil.copytree(src.asset_dir(asset), dst / asset, symlinks=True, ignore=shutil.ignore_patterns("_locks"))
     layout = DataLayout.at(dst)
     if keep_files is not None:
         for key in KEYS:
@@ -120,3 +120,70 @@ def test_an_online_partition_stores_no_states_and_passes_its_checks(tmp_path: Pa
     assert 0 < hybrid.samples_with_states < 12 and hybrid.stored == 0  # kept files reused, none recomputed
     assert len(list(layout.hidden_states_dir(KEYS[0]).glob("hidden_states/hs_*"))) == hybrid.samples_with_states
     assert check_one_per_ok_response(layout, KEYS[0]).passed
+
+
+@pytest.mark.slow
+def test_sigkill_of_online_training_leaves_no_worker_and_resumes(stored: DataLayout, tmp_path: Path) -> None:
+    """A SIGKILLed online run: its loader worker (the process computing states) goes with it, and the next run
+    resumes from the last checkpoint, online again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    fields = {**BASE.__dict__, "epochs": 4, "hidden_states_source": "online", "online_workers": 1}
+    script = textwrap.dedent(
+        f"""
+        from eagle3_assets.storage import DataLayout
+        from eagle3_assets.training import TrainConfig, train_draft
+        train_draft(DataLayout.at({str(layout.root)!r}), {KEYS[:1]!r}, {KEYS[1]!r}, {str(cached_tiny_verifier())!r},
+                    TrainConfig(**{fields!r}))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    ckpt_dir = layout.draft_model_dir / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and not (ckpt_dir / "epoch_0001.pt").exists():
+            time.sleep(0.05)
+        assert proc.poll() is None, "training ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+
+    def children() -> list[str]:  # processes whose parent was the killed run (the spawned loader worker)
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields_ = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields_[1]) == proc.pid:
+                found.append(stat.parent.name)
+        return found
+
+    stop = time.monotonic() + 30
+    while children() and time.monotonic() < stop:
+        time.sleep(0.2)
+    assert children() == []
+    last = max(int(p.stem.split("_")[1]) for p in ckpt_dir.glob("epoch_*.pt"))
+    result = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), TrainConfig(**fields))
+    assert result.resumed_from_epoch == last and result.epochs == 4
+    assert _state_files(layout) == 0
+
+
+def test_online_training_against_a_dead_extraction_server_fails_naming_it(stored: DataLayout, tmp_path: Path) -> None:
+    from support.reliability import free_port
+
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    config = TrainConfig(
+        **{**BASE.__dict__, "hidden_states_source": "online", "online_backend": "vllm", "online_urls": (url,),
+           "online_storage": str(tmp_path / "transfer"), "online_workers": 0},
+    )  # fmt: skip
+    (tmp_path / "transfer").mkdir()
+    with pytest.raises(Exception, match=r"127\.0\.0\.1"):
+        train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
