@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--url", default="", help="a running extraction server (default: the embedded CPU vLLM)")
+    parser.add_argument("--storage", default="", help="with --url: this machine's mount of its connector folder")
     parser.add_argument("--device", default="auto", help="hf backend device (auto, cpu, cuda, cuda:N)")
     parser.add_argument("--dtype", default="float32", help="storage dtype (float32 or bfloat16)")
     parser.add_argument("--concurrency", type=int, default=32, help="vllm requests in flight")
@@ -48,7 +49,9 @@ def main() -> int:
         for backend in ("hf", "vllm"):
             layout = DataLayout.at(Path(tmp) / backend)
             fabricate_responses(layout, KEY, args.samples, min_words=60, max_words=200)
-            options = VLLMBackendOptions(urls=(args.url,) if args.url else (), concurrency=args.concurrency)
+            options = VLLMBackendOptions(
+                urls=(args.url,) if args.url else (), storage_path=args.storage or None, concurrency=args.concurrency
+            )
             config = HiddenStatesConfig(
                 layer_ids=LAYERS, dtype=args.dtype, backend=backend, device=args.device, vllm=options
             )

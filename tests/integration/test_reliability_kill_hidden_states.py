@@ -35,7 +35,8 @@ CHILD = block_before_rename(3) + textwrap.dedent(
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
     from eagle3_assets.storage import DataLayout
     url = os.environ.get("EAGLE3_TEST_HS_URL", "")
-    backend = {{"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,))}} if url else {{}}
+    storage = os.environ.get("EAGLE3_TEST_HS_STORAGE") or None
+    backend = {{"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,), storage_path=storage)}} if url else {{}}
     print("START", flush=True)
     extract_partition(DataLayout.at(sys.argv[1]), "{KEY}", sys.argv[2],
                       HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600, **backend))
@@ -48,15 +49,18 @@ CHILD = block_before_rename(3) + textwrap.dedent(
 @pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
     """The same kill scenarios with each hidden-states backend (vllm: a real CPU extraction server); the child
-    reads the server from EAGLE3_TEST_HS_URL. Returns the HiddenStatesConfig fields of that backend."""
+    reads the server from EAGLE3_TEST_HS_URL and its connector folder from EAGLE3_TEST_HS_STORAGE. Returns the
+    HiddenStatesConfig fields of that backend."""
     if request.param == "hf":
         monkeypatch.delenv("EAGLE3_TEST_HS_URL", raising=False)
+        monkeypatch.delenv("EAGLE3_TEST_HS_STORAGE", raising=False)
         return {}
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
-    url, _storage = request.getfixturevalue("hidden_states_server")
+    url, storage = request.getfixturevalue("hidden_states_server")
     monkeypatch.setenv("EAGLE3_TEST_HS_URL", url)
-    return {"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,))}
+    monkeypatch.setenv("EAGLE3_TEST_HS_STORAGE", str(storage))
+    return {"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,), storage_path=str(storage))}
 
 
 def _count(folder: Path) -> int:
