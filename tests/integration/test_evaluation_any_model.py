@@ -159,16 +159,22 @@ def _deployed(stand_in: Path, model: Path, draft: Path | None) -> Iterator[str]:
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={"PYTHONPATH": str(stand_in), "PATH": ""})
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        for _ in range(100):
+        deadline = time.monotonic() + 120  # a loaded 2-core machine imports the stand-in slowly
+        while True:
             try:
                 urllib.request.urlopen(f"{url}/models", timeout=1).close()
                 break
             except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the stand-in server never answered"
                 time.sleep(0.1)
         yield url
     finally:
         process.terminate()
-        process.wait(timeout=10)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def test_servers_given_by_url_start_nothing(stand_in: Path, no_think_model: tuple[Path, Path], tmp_path: Path) -> None:

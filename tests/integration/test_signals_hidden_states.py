@@ -30,10 +30,12 @@ KEY = "00000"
 
 
 def test_vllm_extraction_stuck_on_its_server_stops_on_sigterm(tmp_path: Path) -> None:
+    (tmp_path / "transfer").mkdir()
     with HangingServer("eagle3-verifier") as server:
         pipeline = make_pipeline(
             tmp_path, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(cached_tiny_verifier()),
             EAGLE3_LAYER_IDS="1,2,3", EAGLE3_HIDDEN_STATES_BACKEND="vllm", EAGLE3_HIDDEN_STATES_URL=server.base_url,
+            EAGLE3_HIDDEN_STATES_STORAGE=str(tmp_path / "transfer"),  # remote extraction needs its storage root
         )  # fmt: skip
         layout = DataLayout.at(pipeline.data_dir)
         fabricate_responses(layout, KEY, 16)
