@@ -69,7 +69,7 @@ def test_each_turn_is_asked_on_the_regenerated_history(tmp_path: Path, server: t
                 ("assistant", "y"),
                 ("user", "q2"),
             ),
-        ),  # fmt: skip
+        ),
     ]
     result = generate_partition(prompts, KEY, layout, _config(url))
     assert (result.ok, result.failed, result.total, result.requested) == (2, 0, 2, 5)
