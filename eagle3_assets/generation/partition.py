@@ -238,10 +238,7 @@ def generate_partition(
     """
     started = time.monotonic()
     ids = [p.sample_id for p in prompts]
-    wanted = set(ids)
-    if len(wanted) != len(ids):
-        dupes = sorted({sid for sid in ids if ids.count(sid) > 1})[:5]
-        raise ValueError(f"partition {partition_key}: duplicate sample_id(s) in the prompts, e.g. {dupes}")
+    wanted = _unique_ids(ids, partition_key)
     if config.regenerate == "all-turns":
         from eagle3_assets.generation.turns import generate_all_turns
 
@@ -305,6 +302,14 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _unique_ids(ids: Sequence[str], partition_key: str) -> set[str]:
+    wanted = set(ids)
+    if len(wanted) != len(ids):
+        dupes = sorted({sid for sid in ids if ids.count(sid) > 1})[:5]
+        raise ValueError(f"partition {partition_key}: duplicate sample_id(s) in the prompts, e.g. {dupes}")
+    return wanted
 
 
 def _log_plan(
