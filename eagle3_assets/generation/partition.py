@@ -389,6 +389,15 @@ def _keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Map
         path.unlink(missing_ok=True)
 
 
+def _set_aside(layout: DataLayout, partition_key: str, wanted: set[str], final: pl.DataFrame, log: Log) -> None:
+    """Before ``final`` replaces the partition's file: keep its ok rows that ``final`` does not hold (answers of the
+    other EAGLE3_REGENERATE mode) in the superseded archive, so switching modes back reuses them."""
+    archive = layout.responses_superseded_path(partition_key)
+    _kept, old = _previous_rows(layout.responses_path(partition_key), wanted, lambda _row: False, log)
+    _kept, archived = _previous_rows(archive, wanted, lambda _row: False, log)
+    _keep_superseded(archive, final, archived, old)
+
+
 def _stale_reasons(
     prompts: Sequence[PromptToGenerate],
     known: set[str],

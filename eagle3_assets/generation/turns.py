@@ -277,7 +277,7 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.partition import _request_model, _result, run_async
+    from eagle3_assets.generation.partition import _request_model, _result, _set_aside, run_async
 
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)
@@ -314,6 +314,7 @@ def generate_all_turns(
             known = merge_records(stored, read_journal(journal_path, current).records)
         frame = _frame([conversation_row(c, known, partition_key) for c in conversations.values()])
         storage.write_parquet_atomic(_frame([known[t] for t in fingerprints if t in known]), store_path)
+        _set_aside(layout, partition_key, {p.sample_id for p in prompts}, frame, log)
         storage.write_parquet_atomic(frame, final_path)
         data_version = storage.file_digest(final_path)
         manifest = {

@@ -161,3 +161,15 @@ def test_loss_mask_covers_exactly_the_model_written_turns() -> None:
     # a turn cut by max_tokens has no end token to place it by: left out of the loss, never guessed
     turns[0]["finish_reason"] = "length"
     assert model_spans(turns) == [[len(p2), len(p2) + 3]]
+
+
+def test_switching_modes_loses_nothing(tmp_path: Path, server: tuple[str, FakeConfig]) -> None:
+    url, _ = server
+    layout = DataLayout.at(tmp_path)
+    prompts = [PromptToGenerate("a", CONVERSATION)]
+    last = GenerationConfig(base_urls=[url], model="fake-model", max_tokens=200, progress_interval_s=60)
+    assert generate_partition(prompts, KEY, layout, last).requested == 1
+    assert generate_partition(prompts, KEY, layout, _config(url)).requested == 3
+    back = generate_partition(prompts, KEY, layout, last)  # the last-turn row was set aside, not overwritten
+    assert (back.requested, back.ok) == (0, 1)
+    assert generate_partition(prompts, KEY, layout, _config(url)).requested == 0
