@@ -173,3 +173,42 @@ def test_switching_modes_loses_nothing(tmp_path: Path, server: tuple[str, FakeCo
     back = generate_partition(prompts, KEY, layout, last)  # the last-turn row was set aside, not overwritten
     assert (back.requested, back.ok) == (0, 1)
     assert generate_partition(prompts, KEY, layout, _config(url)).requested == 0
+
+
+def test_hidden_states_mask_on_a_real_reasoning_template(tmp_path: Path) -> None:
+    """With a template that opens <think> in the generation prompt and drops earlier reasoning (DeepSeek-R1 style),
+    the rows' spans put the loss on each answer the model wrote and on nothing the user wrote."""
+    from transformers import AutoTokenizer
+
+    from eagle3_assets.generation.records import rows_to_frame
+    from eagle3_assets.generation.turns import Conversation, conversation_row, turn_id
+    from eagle3_assets.hidden_states.samples import read_ok_responses, render_rows
+    from support.hidden_states_data import cached_tiny_verifier
+
+    verifier = cached_tiny_verifier()
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    conv = Conversation("s", (), ("the model", "next value"))
+    history: list[dict[str, str]] = []
+    known = {}
+    for k, (user, answer) in enumerate(zip(conv.users, ("answer one", "sum two"), strict=True)):
+        history.append({"role": "user", "content": user})
+        prompt = ids(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False))
+        completion = ids(f"think hard\n</think>\n\n{answer}<|im_end|>")
+        known[turn_id("s", k)] = {
+            "sample_id": turn_id("s", k), "messages": list(history), "content": answer, "status": "ok",
+            "finish_reason": "stop", "prompt_token_ids": prompt, "completion_token_ids": completion,
+        }  # fmt: skip
+        history.append({"role": "assistant", "content": answer})
+    layout = DataLayout.at(tmp_path)
+    layout.responses_path(KEY).parent.mkdir(parents=True)
+    rows_to_frame([conversation_row(conv, known, KEY)]).write_parquet(layout.responses_path(KEY))
+    ok, _failed = read_ok_responses(layout, KEY)
+    rows, served = render_rows(ok, verifier, 4096, len(tok), KEY)
+    assert served == 1
+    learned = [t for t, m in zip(rows[0].input_ids, rows[0].loss_mask, strict=True) if m]
+    text = tok.decode(learned)
+    assert text == "answer one<|im_end|>think hard\n</think>\n\nsum two<|im_end|>"
