@@ -277,7 +277,7 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.partition import _request_model, _result, _set_aside, run_async
+    from eagle3_assets.generation.partition import _request_model, _result, _set_aside, _space_floor, run_async
 
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)
@@ -304,6 +304,7 @@ def generate_all_turns(
         if todo and unreachable is not None:
             raise unreachable
         if todo:
+            storage.ensure_free_space(journal_path.parent, _space_floor(todo), f"partition {partition_key}")
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
             try:
