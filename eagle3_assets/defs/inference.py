@@ -97,6 +97,16 @@ class InferenceServerResource(SettingsResource):
             "Ask vLLM for prompt/completion token ids and train on exactly those (false for servers without them)."
         ),
     )
+    regenerate: str = setting(
+        "last-turn",
+        env="EAGLE3_REGENERATE",
+        description=(
+            "Which assistant turns the model writes: `last-turn` (it answers the last user turn; earlier turns stay "
+            "the dataset's) or `all-turns` (it answers every user turn in order on top of its own earlier answers; "
+            "n user turns cost n requests, each re-sending the history)."
+        ),
+        check=settings.one_of("last-turn", "all-turns"),
+    )
 
     @abstractmethod
     def base_urls(self) -> list[str]:
@@ -130,6 +140,7 @@ class InferenceServerResource(SettingsResource):
             idle_timeout_s=self.idle_timeout_s,
             max_attempts=self.max_attempts,
             outage_budget_s=self.outage_budget_s,
+            regenerate=self.regenerate,
         )
 
 

@@ -89,6 +89,9 @@ def synthetic_responses(
             "ok": result.ok,
             "failed": result.failed,
             "truncated": result.truncated,
+            # issue 25: how much of the training text the served model wrote itself
+            "turns_regenerated": result.turns_regenerated,
+            "model_tokens": result.model_tokens,
             "resumed": result.resumed,
             "requested": result.requested,
             "retries": result.retries,

@@ -53,6 +53,9 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+REGENERATE_MODES = ("last-turn", "all-turns")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     base_urls: tuple[str, ...]
@@ -101,6 +104,9 @@ class GenerationConfig:
     outage_budget_s: float = OUTAGE_BUDGET_S
     fsync_interval_s: float = 2.0
     progress_interval_s: float = 5.0
+    # "last-turn": the model answers each conversation's last user turn (earlier turns are the dataset's history);
+    # "all-turns": it answers every user turn in order, on top of its own earlier answers (generation/turns.py)
+    regenerate: str = "last-turn"
 
     def __post_init__(self) -> None:
         urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
@@ -115,6 +121,8 @@ class GenerationConfig:
             raise _fail("base_urls", [display_url(u) for u in clean], "lists the same server twice")
         object.__setattr__(self, "base_urls", tuple(clean))
         object.__setattr__(self, "url_auth", auth)
+        if self.regenerate not in REGENERATE_MODES:
+            raise _fail("regenerate", self.regenerate, f"must be one of {', '.join(REGENERATE_MODES)}")
         if self.model is not None and not str(self.model).strip():
             raise _fail("model", self.model, "must be a model name or None (ask /v1/models)")
         for name in ("concurrency", "max_tokens", "max_attempts", "bench_after_failures"):

@@ -165,6 +165,13 @@ class Engine:
         self.log(self.progress_line(final=True))
         return self.stats
 
+    def enqueue(self, prompt: PromptToGenerate) -> None:
+        """Add a sample while the pool runs (a conversation's next turn, from ``on_finished``): it is sent as soon
+        as a slot frees, so a conversation never waits for the other conversations' turns."""
+        self._ready.append(_Item(prompt, normalize_messages(prompt.messages)))
+        self.stats.total += 1
+        self._wake.set()
+
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
         while self._ready or self._in_flight or self._waiting:

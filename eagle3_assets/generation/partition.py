@@ -65,6 +65,10 @@ class GenerationResult:
     stale_reasons: dict[str, int] = field(default_factory=dict)
     settings_digest: str = ""  # FingerprintInputs.settings_digest of this run (the manifest has its inputs)
     data_version: str = ""  # content hash of the written Parquet (Dagster's data version of the partition)
+    # assistant turns the model wrote in the ok rows (one per row in last-turn mode), and the tokens of training
+    # text that are the model's own (the loss-masked tokens: completions, plus earlier turns in all-turns mode)
+    turns_regenerated: int = 0
+    model_tokens: int = 0
 
 
 def partition_prompts(layout: DataLayout, partition_key: str) -> list[PromptToGenerate]:
@@ -234,10 +238,11 @@ def generate_partition(
     """
     started = time.monotonic()
     ids = [p.sample_id for p in prompts]
-    wanted = set(ids)
-    if len(wanted) != len(ids):
-        dupes = sorted({sid for sid in ids if ids.count(sid) > 1})[:5]
-        raise ValueError(f"partition {partition_key}: duplicate sample_id(s) in the prompts, e.g. {dupes}")
+    wanted = _unique_ids(ids, partition_key)
+    if config.regenerate == "all-turns":
+        from eagle3_assets.generation.turns import generate_all_turns
+
+        return generate_all_turns(prompts, partition_key, layout, config, log)  # type: ignore[no-any-return]
     final_path = layout.responses_path(partition_key)
     journal_path = layout.responses_in_progress_path(partition_key)
     lock = layout.lock_path("synthetic_responses", partition_key)
@@ -297,6 +302,14 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _unique_ids(ids: Sequence[str], partition_key: str) -> set[str]:
+    wanted = set(ids)
+    if len(wanted) != len(ids):
+        dupes = sorted({sid for sid in ids if ids.count(sid) > 1})[:5]
+        raise ValueError(f"partition {partition_key}: duplicate sample_id(s) in the prompts, e.g. {dupes}")
+    return wanted
 
 
 def _log_plan(
@@ -376,6 +389,15 @@ def _keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Map
         path.unlink(missing_ok=True)
 
 
+def _set_aside(layout: DataLayout, partition_key: str, wanted: set[str], final: pl.DataFrame, log: Log) -> None:
+    """Before ``final`` replaces the partition's file: keep its ok rows that ``final`` does not hold (answers of the
+    other EAGLE3_REGENERATE mode) in the superseded archive, so switching modes back reuses them."""
+    archive = layout.responses_superseded_path(partition_key)
+    _kept, old = _previous_rows(layout.responses_path(partition_key), wanted, lambda _row: False, log)
+    _kept, archived = _previous_rows(archive, wanted, lambda _row: False, log)
+    _keep_superseded(archive, final, archived, old)
+
+
 def _stale_reasons(
     prompts: Sequence[PromptToGenerate],
     known: set[str],
@@ -420,7 +442,7 @@ def _result(
         total=total,
         ok=ok_rows.height,
         failed=failed,
-        truncated=int((ok_rows["finish_reason"] == "length").sum()),
+        truncated=int(((ok_rows["finish_reason"] == "length") | ok_rows["stop_reason"].is_not_null()).sum()),
         resumed=resumed,
         requested=requested,
         requests=stats.requests,
@@ -439,4 +461,6 @@ def _result(
         top_errors=dict(stats.errors.most_common(5)),
         retry_reasons=dict(stats.retry_reasons.most_common(10)),
         torn_bytes_dropped=torn,
+        turns_regenerated=int(ok_rows["turns_regenerated"].fill_null(1).sum()),
+        model_tokens=int(ok_rows["model_tokens"].fill_null(ok_rows["completion_tokens"]).fill_null(0).sum()),
     )

@@ -39,6 +39,14 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "finished_at": pl.Float64(),
     # hash of what determined the answer (generation/fingerprint.py); null in files written before it existed
     "request_fingerprint": pl.String(),
+    # EAGLE3_REGENERATE=all-turns (generation/turns.py); null in last-turn rows. User turns the model answered,
+    # user turns the conversation has, why it stopped early (null: it did not), the [start, end) token offsets
+    # of every model-written turn inside prompt_token_ids + completion_token_ids (the loss mask) and their length.
+    "turns_regenerated": pl.Int64(),
+    "turns_total": pl.Int64(),
+    "stop_reason": pl.String(),
+    "model_spans": pl.List(pl.List(pl.Int64())),
+    "model_tokens": pl.Int64(),
 }
 COLUMNS = tuple(RESPONSE_SCHEMA)
 
@@ -78,6 +86,11 @@ _ROW_TYPES: dict[str, type] = {
     "status": str,
     "error": str,
     "finished_at": float,
+    "turns_regenerated": int,
+    "turns_total": int,
+    "stop_reason": str,
+    "model_spans": list,
+    "model_tokens": int,
 }
 
 
