@@ -74,7 +74,7 @@ def _online(
 ) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
     """The drafts in vLLM on every named prompt set."""
     from eagle3_assets.evaluation.online import evaluate_online
-    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, load_prompt_set
+    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
 
     cfg = options.online_config
     cfg.k = options.k
@@ -83,6 +83,13 @@ def _online(
         names.remove(HELD_OUT)
         notes.append(f"online {HELD_OUT} skipped: no hidden_states partition to hold out")
     prompt_sets = {name: load_prompt_set(name, layout, partition, cfg.prompts, cfg.humaneval_prompts) for name in names}
+    for name, prompts in prompt_sets.items():  # a prompt longer than the servers' context is left out, and said
+        prompt_sets[name], dropped = fitting_prompts(prompts, verifier_path, cfg.max_model_len - cfg.max_tokens)
+        if dropped:
+            notes.append(
+                f"online {name}: {len(dropped)} of {len(prompts)} prompts left out, longer than the servers' context "
+                f"({cfg.max_model_len} tokens) less max_tokens {cfg.max_tokens}: {', '.join(dropped[:5])}"
+            )
     drafts = {"trained": draft_dir}
     if options.untrained and cfg.draft_url:
         # a draft server given by URL is a deployment: nothing is started for the untrained baseline beside it

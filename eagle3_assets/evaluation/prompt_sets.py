@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from eagle3_assets.storage import DataLayout
@@ -120,3 +121,20 @@ def load_prompt_set(
     if name == HUMANEVAL:
         return humaneval_prompts(humaneval or None)
     raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+
+
+def fitting_prompts(prompts: list[Prompt], verifier: Path | str, budget: int) -> tuple[list[Prompt], list[str]]:
+    """(the prompts whose chat-templated tokens leave ``budget`` tokens free, ids of the ones that do not): a server
+    refuses a prompt longer than its context with a 400, which would fail the whole evaluation."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(verifier))
+    kept: list[Prompt] = []
+    dropped: list[str] = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= budget:
+            kept.append(prompt)
+        else:
+            dropped.append(prompt.sample_id)
+    return kept, dropped

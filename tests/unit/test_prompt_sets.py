@@ -42,3 +42,15 @@ def test_prompt_set_setting() -> None:
         parse_prompt_sets("K", "humaneval,humaneval")
     with pytest.raises(ConfigError, match="at least one"):
         parse_prompt_sets("K", " , ")
+
+
+def test_prompts_longer_than_the_servers_context_are_left_out_by_id() -> None:
+    """A held-out prompt of a real dataset can exceed the evaluation servers' context; vLLM answers it with a 400,
+    which failed the whole evaluation of a real-model demo. It is left out and named instead."""
+    from eagle3_assets.evaluation.prompt_sets import Prompt, fitting_prompts
+    from support.hidden_states_data import cached_tiny_verifier
+
+    prompts = [Prompt("short", [{"role": "user", "content": "hello there"}]),
+               Prompt("long", [{"role": "user", "content": "hello there " * 400}])]  # fmt: skip
+    kept, dropped = fitting_prompts(prompts, cached_tiny_verifier(), budget=200)
+    assert [p.sample_id for p in kept] == ["short"] and dropped == ["long"]
