@@ -225,6 +225,13 @@ def main() -> None:
     parser.add_argument("--gen-batch", type=int, default=256)
     parser.add_argument("--curve", type=Path, help="where points are appended (default: <data>/curve.jsonl)")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new point after this many seconds")
+    parser.add_argument("--loss-on", default="assistant", help="training loss positions: assistant|all (TrainConfig)")
+    parser.add_argument(
+        "--online", default="largest", choices=("none", "largest", "all"), help="which points are measured in vLLM"
+    )
+    parser.add_argument("--online-k", default="3", help="comma-separated num_speculative_tokens measured online")
+    parser.add_argument("--online-repeats", type=int, default=2, help="online measurements per k (speed-up: mean)")
+    parser.add_argument("--online-held-out", type=int, default=64, help="held-out prompts sent online")
     args = parser.parse_args()
     if not args.precision:
         from eagle3_assets.precision import fastest_cpu_precision
@@ -256,6 +263,7 @@ def main() -> None:
     keys = [f"{i:05d}" for i in range(n_parts)]
     sets = {HELD_OUT_KEY: held_out, HUMANEVAL_KEY: humaneval_prompts()[: args.humaneval]}
     sets.update({key: train[i * PARTITION : (i + 1) * PARTITION] for i, key in enumerate(keys)})
+    write_held_out_prompts(layout, held_out)
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
@@ -311,10 +319,11 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         config = TrainConfig(
             epochs=args.epochs, lr=lr, init=init, device=args.device, tokens_per_batch=args.tokens_per_batch,
             ttt_steps=args.ttt_steps, max_val_batches=16, keep_checkpoints=1, precision=args.precision,
+            loss_on=args.loss_on,
         )  # fmt: skip
         shutil.rmtree(layout.draft_model_dir, ignore_errors=True)
         t0 = time.perf_counter()
-        result = train_draft(layout, train_keys, HELD_OUT_KEY, args.verifier, config, log=lambda s: None)
+        result = train_draft(layout, train_keys, HELD_OUT_KEY, args.verifier, config, log=print)
         train_s = time.perf_counter() - t0
         draft = load_draft(result.final_dir, args.verifier)
         t0 = time.perf_counter()
@@ -325,6 +334,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         point = {
             "samples": samples, "lr": lr, "init": init, "epochs": args.epochs, "steps": result.steps,
             "precision": args.precision, "draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps,
+            "tokens_per_batch": args.tokens_per_batch, "loss_on": args.loss_on,
             "tokens_trained": result.tokens_trained, "train_s": round(train_s, 1),
             "eval_s": round(time.perf_counter() - t0, 1), "val_loss": result.val_loss,
             "val_acceptance_length": result.val_acceptance_length,
@@ -338,7 +348,58 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         shutil.rmtree(kept, ignore_errors=True)
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(result.final_dir, kept)
+        if args.online == "all" or (args.online == "largest" and samples == max(sizes)):
+            measure_online(args, layout, kept, samples, curve_path.with_name("online.jsonl"))
     print_curve(curve_path)
+
+
+def write_held_out_prompts(layout: Any, held_out: list[dict[str, Any]]) -> None:
+    """The held-out prompts as raw_prompts rows (partition HELD_OUT_KEY), where online evaluation reads them."""
+    import polars as pl
+
+    from eagle3_assets.storage import write_parquet_atomic
+
+    rows = [
+        {"sample_id": p["id"], "position": i, "partition_key": HELD_OUT_KEY,
+         "messages": [{"role": "user", "content": p["prompt"]}]}
+        for i, p in enumerate(held_out)
+    ]  # fmt: skip
+    layout.prompts_path.parent.mkdir(parents=True, exist_ok=True)
+    write_parquet_atomic(pl.DataFrame(rows), layout.prompts_path)
+
+
+def measure_online(args: Any, layout: Any, draft: Path, samples: int, out: Path) -> None:
+    """The draft in vLLM (the project's evaluation): acceptance over every prompt of each set and batch-1 tokens/s
+    with and without it, ``--online-repeats`` times per k; one line per (k, repeat, prompt set) in ``out``."""
+    from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+    from eagle3_assets.evaluation.online import OnlineConfig
+
+    for k in [int(x) for x in args.online_k.split(",")]:
+        for repeat in range(args.online_repeats):
+            online = OnlineConfig(
+                k=k, prompts=args.online_held_out, humaneval_prompts=0, prompt_sets=("held-out", "humaneval"),
+                log_dir=args.data / "_logs",
+            )  # fmt: skip
+            options = EvaluationOptions(
+                k=k, offline=False, untrained=False, partition=HELD_OUT_KEY, online_config=online
+            )
+            report = run_evaluation(layout, draft, args.verifier, options, log=lambda s: None, write=False)
+            baseline = {run.prompt_set: run for run in report.online or []}
+            for stats in report.stats:
+                if stats.method != "online" or stats.label != "trained":
+                    continue
+                run = baseline[stats.prompt_set]
+                line = {
+                    "samples": samples, "draft": str(draft), "k": k, "repeat": repeat, "prompt_set": stats.prompt_set,
+                    "prompts": run.prompts, "mean_acceptance_length": stats.mean_acceptance_length,
+                    "acceptance_per_position": stats.acceptance_rate_per_position,
+                    "tok_s": stats.tokens_per_second, "plain_tok_s": run.baseline_tokens_per_second,
+                    "speed_up": (stats.tokens_per_second or 0.0) / run.baseline_tokens_per_second,
+                    "greedy_mismatches": len(run.mismatches.get("trained", [])),
+                }  # fmt: skip
+                with out.open("a") as handle:
+                    handle.write(json.dumps(line) + "\n")
+                print(json.dumps(line), flush=True)
 
 
 def print_curve(curve_path: Path) -> None:

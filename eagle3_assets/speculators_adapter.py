@@ -10,6 +10,7 @@ imported at module load: each accessor imports what it returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -52,6 +53,25 @@ def offline_data() -> SimpleNamespace:
         shift_batch=shift_batch,
         MultipackDistributedBatchSamplerV2=MultipackDistributedBatchSamplerV2,
     )
+
+
+def shift_batch_every_position(batch: dict[str, Any]) -> dict[str, Any]:
+    """speculators' ``shift_batch`` with the loss on every position, prompts included (``TrainConfig.loss_on="all"``).
+
+    The loss target is the verifier's own distribution at each position (its last hidden states through its LM head),
+    so a prompt position is as much the verifier's behaviour to imitate as an answer position; the states are already
+    extracted, so this adds supervised positions at no extra cost. Module-level: loader workers pickle it."""
+    import torch
+    from speculators.models.eagle3.data import shift_batch
+
+    return shift_batch({**batch, "loss_mask": torch.ones_like(batch["loss_mask"])})
+
+
+def batch_preprocess(loss_on: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The per-sample preprocessing of a training batch: the loss on the answers only, or on every position."""
+    from speculators.models.eagle3.data import shift_batch
+
+    return shift_batch_every_position if loss_on == "all" else shift_batch
 
 
 @dataclass(frozen=True)

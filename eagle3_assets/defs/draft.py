@@ -106,6 +106,12 @@ class DraftModelRunConfig(SettingsConfig):
         description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
         check=settings.one_of("token_copy", "speculators"),
     )
+    loss_on: str = setting(
+        "assistant",
+        description="Positions the training loss covers: `assistant` (the answers) or `all` (prompts too; the "
+        "target is the verifier's own distribution everywhere, validation stays on the answers).",
+        check=settings.one_of("assistant", "all"),
+    )
     num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
     hidden_states_source: str = setting(
         "stored",
@@ -134,6 +140,7 @@ def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "Tr
         max_steps_per_epoch=config.max_steps_per_epoch,
         max_val_batches=config.max_val_batches,
         init=config.init,
+        loss_on=config.loss_on,
         num_threads=config.num_threads,
         procs=verifier.train_procs,
         hidden_states_source=config.hidden_states_source,

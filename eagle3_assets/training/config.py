@@ -9,6 +9,7 @@ from typing import Any
 from eagle3_assets.settings import ConfigError
 
 INITS = ("token_copy", "speculators")
+LOSS_ON = ("assistant", "all")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class TrainConfig:
     tokens_per_batch: int = 4096  # packed tokens per step (speculators' --total-seq-len)
     ttt_steps: int = 3
     ttt_step_loss_decay: float = 1.0
+    # where the training loss is taken: "assistant" (the answers' tokens, the hidden states' loss mask) or "all"
+    # (prompts too: the target is the verifier's own distribution everywhere; validation stays on the answers)
+    loss_on: str = "assistant"
     num_layers: int = 1
     loss_fn: str = "kl_div"
     weight_decay: float = 0.01
@@ -63,6 +67,8 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr!r}: must be a positive number")
         if self.scheduler not in {"cosine", "linear", "none"}:
             raise ConfigError(f"scheduler={self.scheduler!r}: must be cosine, linear or none")
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on={self.loss_on!r}: must be one of {', '.join(LOSS_ON)}")
         if self.init not in INITS:
             raise ConfigError(f"init={self.init!r}: must be one of {', '.join(INITS)}")
         if self.draft_attn_impl not in {"sdpa", "eager"}:
@@ -92,7 +98,10 @@ class TrainConfig:
         ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches", "procs"}
         ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
         ignored |= {"prefetch_batches"}
-        return {k: v for k, v in asdict(self).items() if k not in ignored}
+        fields = {k: v for k, v in asdict(self).items() if k not in ignored}
+        if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid
+            del fields["loss_on"]
+        return fields
 
 
 @dataclass

@@ -40,20 +40,24 @@ def make_loader(
     ranks: Ranks = SINGLE_PROCESS,
     online: OnlineExtraction | None = None,
     config: TrainConfig | None = None,
+    loss_on: str = "assistant",
 ) -> Any:
     """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share);
-    with ``online`` (training/online.py) each batch's states are fetched by the loader's workers instead."""
+    with ``online`` (training/online.py) each batch's states are fetched by the loader's workers instead.
+    ``loss_on``: ``assistant`` (the loss mask the hidden states carry) or ``all`` (every position)."""
     from torch.utils.data import ConcatDataset, DataLoader
 
     from eagle3_assets.hidden_states.checks import META_FILE
     from eagle3_assets.hidden_states.samples import HS_SUBDIR
     from eagle3_assets.hidden_states.storage_format import training_transfer
-    from eagle3_assets.speculators_adapter import offline_data
+    from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
     from eagle3_assets.storage import read_json
 
     sp = offline_data()
     if online is not None and online.source != "stored":
-        return online_loader(dirs, tokens, hidden_size, n_aux, dtype, seed, ranks, online, config or TrainConfig())
+        return online_loader(
+            dirs, tokens, hidden_size, n_aux, dtype, seed, ranks, online, config or TrainConfig(), loss_on
+        )
     datasets = []
     for d in dirs:  # each partition in its own storage dtype: FP8 ones are read through hs_connectors' FP8Transfer
         meta = read_json(d / META_FILE)
@@ -69,7 +73,8 @@ def make_loader(
     sampler = sp.MultipackDistributedBatchSamplerV2(
         batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
     )
-    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=sp.shift_batch)
+    preprocess = batch_preprocess(loss_on)
+    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=preprocess)
     return DataLoader(ConcatDataset(datasets), batch_sampler=sampler, num_workers=0, collate_fn=collate)
 
 

@@ -193,7 +193,8 @@ def _prepare(
     per_rank = config.tokens_per_batch // ranks.world
     loader_args = (per_rank, hidden_size, len(layer_ids), hs_dtype, config.seed)
     sources = {"online": online, "config": config}
-    train_loader = make_loader([dirs[k] for k in train_keys], *loader_args, ranks=ranks, **sources)  # pinned versions
+    train_dirs = [dirs[k] for k in train_keys]  # pinned versions
+    train_loader = make_loader(train_dirs, *loader_args, ranks=ranks, **sources, loss_on=config.loss_on)
     val_loader = make_loader([dirs[val_key]], config.tokens_per_batch, *loader_args[1:], **sources)
     steps = len(train_loader)
     if config.max_steps_per_epoch is not None:

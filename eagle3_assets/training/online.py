@@ -241,13 +241,13 @@ def online_extraction(config: TrainConfig, verifier_path: Path, meta: dict[str, 
 
 def online_loader(
     dirs: Sequence[Path], tokens: int, hidden_size: int, n_aux: int, dtype: Any, seed: int, ranks: Ranks,
-    online: OnlineExtraction, config: TrainConfig,
+    online: OnlineExtraction, config: TrainConfig, loss_on: str = "assistant",
 ) -> Any:  # fmt: skip
     """make_loader's online form: the same sampler and collate over datasets that fetch their states a batch at
     a time, in ``online_workers`` processes holding at most ``prefetch_batches`` ready batches each."""
     from torch.utils.data import DataLoader
 
-    from eagle3_assets.speculators_adapter import offline_data
+    from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 
     sp = offline_data()
     datasets = [OnlineDataset(d, tokens, dtype, online) for d in dirs]
@@ -255,7 +255,8 @@ def online_loader(
     sampler = sp.MultipackDistributedBatchSamplerV2(
         batch_max_length=tokens, lengths=lengths, num_replicas=ranks.world, rank=ranks.rank, seed=seed
     )
-    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=sp.shift_batch)
+    preprocess = batch_preprocess(loss_on)
+    collate = sp.CollateFn(tokens, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=preprocess)
     return DataLoader(
         OnlineConcat(datasets), batch_sampler=sampler, collate_fn=OnlineCollate(collate),
         **online_loader_kwargs(config.online_workers, config.prefetch_batches),

@@ -168,3 +168,29 @@ def test_token_copy_init_carries_the_new_token_forward(verifier: Path, init: str
 def test_unknown_init_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="init='xavier'"):
         TrainConfig(init="xavier").validate()
+
+
+def test_loss_on_all_covers_prompt_positions_and_keeps_old_fingerprints(data: DataLayout) -> None:
+    """``loss_on="all"`` puts every real position of a packed batch under the loss (prompts included); the default
+    keeps the hidden states' answer-only mask, and its fingerprint is the one earlier releases wrote."""
+    import torch
+
+    from eagle3_assets.training.data import make_loader
+
+    partition = data.hidden_states_dir(KEYS[0])
+    masks = {}
+    for loss_on in ("assistant", "all"):
+        loader = make_loader([partition], 768, 64, 3, torch.float32, seed=0, loss_on=loss_on)
+        batch = next(iter(loader))
+        real = batch["document_ids"] >= 0  # the packed batch is padded past its samples with document id -1
+        masks[loss_on] = (batch["loss_mask"].bool(), real)
+    answers, real = masks["assistant"]
+    every, same_batch = masks["all"]
+    assert torch.equal(real, same_batch)  # the same seeded packing: only the mask differs
+    assert answers.any() and not (answers & ~real).any()
+    assert torch.equal(every, real)  # every real position, the prompts' included
+    assert answers.sum() < every.sum()
+    assert "loss_on" not in TrainConfig().fingerprint_fields()
+    assert TrainConfig(loss_on="all").fingerprint_fields()["loss_on"] == "all"
+    with pytest.raises(ConfigError, match="loss_on='prompts'"):
+        TrainConfig(loss_on="prompts").validate()
