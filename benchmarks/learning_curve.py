@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new point after this many seconds")
     parser.add_argument("--loss-on", default="assistant", help="training loss positions: assistant|all (TrainConfig)")
     parser.add_argument(
-        "--online", default="largest", choices=("none", "largest", "all"), help="which points are measured in vLLM"
+        "--online", default="largest", help="points measured in vLLM: largest, all, none or comma-separated sizes"
     )
     parser.add_argument("--online-k", default="3", help="comma-separated num_speculative_tokens measured online")
     parser.add_argument("--online-repeats", type=int, default=2, help="online measurements per k (speed-up: mean)")
@@ -348,9 +348,17 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         shutil.rmtree(kept, ignore_errors=True)
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(result.final_dir, kept)
-        if args.online == "all" or (args.online == "largest" and samples == max(sizes)):
+        if online_wanted(args.online, samples, sizes):
             measure_online(args, layout, kept, samples, curve_path.with_name("online.jsonl"))
     print_curve(curve_path)
+
+
+def online_wanted(choice: str, samples: int, sizes: list[int]) -> bool:
+    if choice in ("all", "none"):
+        return choice == "all"
+    if choice == "largest":
+        return samples == max(sizes)
+    return samples in {int(x) for x in choice.split(",")}
 
 
 def write_held_out_prompts(layout: Any, held_out: list[dict[str, Any]]) -> None:
