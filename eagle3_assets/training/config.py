@@ -133,6 +133,7 @@ class TrainResult:
     # where this call's states came from, and its time split: {"source", "fetch_s" (computing states, summed over
     # the loader's workers), "wait_s" (training waiting for a batch), "train_s" (the rest of the steps' time)}
     hidden_states: dict[str, Any] = field(default_factory=dict)
+    train_samples: int = 0  # samples the training partitions hold (their stored or online rows)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (paths as strings): how a torchrun worker hands its result to the launcher."""

@@ -213,6 +213,7 @@ def _prepare(
         "loss_curve": [],
         "tokens_trained": 0,
         "steps": 0,
+        "train_samples": data_samples,  # samples with hidden states in the training partitions (this rank's view)
     }
     return _Run(
         config, ranks, device, model, core, autocast, trainer_kwargs(config), train_loader, val_loader, steps,
@@ -403,6 +404,7 @@ def _result(
         resumed_from_epoch=resumed_from,
         steps=h["steps"],
         tokens_trained=h["tokens_trained"],
+        train_samples=int(h.get("train_samples", 0)),
         train_loss=h["train_loss"],
         val_loss=h["val_loss"],
         val_loss_untrained=h.get("val_loss_untrained", float("nan")),
