@@ -115,8 +115,7 @@ def tokenize_dataset_conversation(tokenizer: Any, messages: Messages) -> tuple[l
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     mask = [
-        any(end > s and start < e for s, e in char_spans) and end > start
-        for start, end in encoded["offset_mapping"]
+        any(end > s and start < e for s, e in char_spans) and end > start for start, end in encoded["offset_mapping"]
     ]
     spans: list[list[int]] = []
     for i, inside in enumerate(mask):
