@@ -88,24 +88,41 @@ def select_conversations(
     return chosen, held
 
 
+def _first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _assistant_char_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple[int, int]], int]:
     """(rendered text, character spans of each assistant turn, turns that could not be placed).
 
-    A turn's span runs from the end of the history rendered with the generation prompt to the end of the history
-    rendered through that turn; a template that renders earlier turns otherwise than as a prefix (e.g. one that
-    drops earlier reasoning) leaves that turn out of the loss rather than guessing."""
+    A turn starts where the conversation leaves the history rendered with the generation prompt (templates that
+    open a reasoning block for the last turn only differ there), and ends after its content and the end-of-turn
+    text the template puts after it. A turn whose content cannot be found in the rendered conversation (a template
+    that rewrites it) is left out of the loss rather than guessed."""
     render = tokenizer.apply_chat_template
     full = render(messages, tokenize=False)
-    spans, lost = [], 0
+    spans: list[tuple[int, int]] = []
+    lost = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        content = message["content"]
         before = render(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = render(messages[: i + 1], tokenize=False)
-        if through.startswith(before) and full.startswith(through) and len(through) > len(before):
-            spans.append((len(before), len(through)))
-        else:
+        start = max(_first_difference(before, full), spans[-1][1] if spans else 0)
+        at = full.find(content, start) if content else -1
+        if at < 0:
             lost += 1
+            continue
+        end = at + len(content)
+        through = render(messages[: i + 1], tokenize=False)
+        tail = through[through.rfind(content) + len(content) :]
+        if tail and full.startswith(tail, end):
+            end += len(tail)
+        spans.append((start, end))
     return full, spans, lost
 
 

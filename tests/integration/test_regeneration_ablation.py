@@ -1,0 +1,120 @@
+"""Issue 25 item 2: the regeneration ablation end to end on the tiny verifier and the fake vLLM server (offline)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig, ablation_folder, run_ablation
+from eagle3_assets.generation import GenerationConfig
+from eagle3_assets.prompts import build_prompt_table, dataset_turns_path
+from eagle3_assets.settings import ConfigError
+from eagle3_assets.storage import DataLayout
+from support.common import write_jsonl
+from support.fake_vllm import FakeConfig, get_json, post_json, serve_in_thread
+
+
+def _conversation(i: int, turns: int) -> dict:
+    convo = []
+    for t in range(turns):
+        convo.append({"from": "human", "value": f"question {i} part {t} about the model"})
+        convo.append({"from": "gpt", "value": f"DATASET answer {i} {t} with the draft"})
+    return {"id": f"c{i}", "conversations": convo}
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    with serve_in_thread(FakeConfig(token_rate=100000, median_tokens=10, sigma=0.3, ttft_s=0.0)) as url:
+        yield url
+
+
+def _setup(tmp_path: Path) -> tuple[DataLayout, Path]:
+    from support.hidden_states_data import cached_tiny_verifier
+
+    layout = DataLayout.at(tmp_path / "data")
+    rows = [_conversation(i, 1 + i % 3) for i in range(8)]
+    build_prompt_table(write_jsonl(tmp_path / "prompts.jsonl", rows), layout, partition_size=1000)
+    # the fake server's token ids run to 4,095: the tiny verifier with that vocabulary
+    return layout, cached_tiny_verifier(hidden_size=256, vocab_size=4096)
+
+
+def _run(layout: DataLayout, verifier: Path, url: str, **overrides: object):  # type: ignore[no-untyped-def]
+    from eagle3_assets.hidden_states import HiddenStatesConfig
+    from eagle3_assets.training import TrainConfig
+
+    config = AblationConfig(**{"conversations": 4, "held_out": 2, "humaneval": 2, "token_budget": 512,
+                               "tokens_per_batch": 256, "seeds": (0, 1), "partition_size": 2,
+                               "draft_vocab_size": 256, "k": 2, "online": False, "max_val_batches": 1,
+                               "offline_max_samples": 2, **overrides})  # type: ignore[arg-type]  # fmt: skip
+    generation = GenerationConfig(base_urls=[url], model="fake-model", concurrency=4, max_tokens=24,
+                                  progress_interval_s=60)  # fmt: skip
+    hidden = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=256, num_threads=1)
+    train = TrainConfig(device="cpu", num_threads=1, ttt_steps=2, init="speculators")
+    return run_ablation(layout, verifier, config, generation, hidden, train, log=print)
+
+
+def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str) -> None:
+    layout, verifier = _setup(tmp_path)
+    # raw_prompts keeps the dataset's answers beside its table; the table itself still ends on a user turn
+    turns = pl.read_parquet(dataset_turns_path(layout))
+    assert turns.filter(pl.col("sample_id") == "c0")["messages"][0][-1]["role"] == "assistant"
+    assert pl.read_parquet(layout.prompts_path)["messages"][0][-1]["role"] == "user"
+
+    report = _run(layout, verifier, server)
+    root = ablation_folder(layout)
+    rows = {row.key(): row for row in report.rows}
+    assert sorted(rows) == ["all-turns/seed0", "all-turns/seed1", "dataset/seed0", "last-turn/seed0"]
+
+    # the same conversations in every variant, the same token budget and the same number of steps
+    ids = {}
+    for variant in VARIANTS:
+        folder = root / variant / "synthetic_responses"
+        train = pl.concat([pl.read_parquet(folder / f"{key}.parquet") for key in ("00000", "00001")])
+        ids[variant] = sorted(train["sample_id"].to_list())
+        if variant == "dataset":  # the dataset's answers, loss on every one of them, none of it the model's
+            assert all(c.startswith("DATASET answer") for c in train["content"].to_list())
+            assert all(len(s) == n for s, n in zip(train["model_spans"], train["turns_total"], strict=True))
+        else:  # the model's own answers
+            assert not any((c or "").startswith("DATASET") for c in train["content"].to_list())
+    assert ids["dataset"] == ids["last-turn"] == ids["all-turns"] == ["c0", "c1", "c2", "c3"]
+    assert len({(r.token_budget, r.steps, r.epochs) for r in report.rows}) == 1 and report.rows[0].steps == 2
+    assert rows["dataset/seed0"].model_tokens == 0 and rows["dataset/seed0"].generation_tokens == 0
+    for key in ("last-turn/seed0", "all-turns/seed0"):
+        assert rows[key].model_tokens == rows[key].loss_tokens_available > 0 and rows[key].generation_tokens > 0
+    # all-turns asked every user turn (1 + 2 + 3 + 1 turns), last-turn one per conversation
+    assert rows["all-turns/seed0"].generation_tokens > rows["last-turn/seed0"].generation_tokens
+
+    # the report has every field, as JSON and as a Markdown table
+    data = json.loads((root / "report.json").read_text())
+    for row in data["rows"]:
+        assert set(row) >= {"variant", "seed", "tokens_trained", "token_budget", "generation_tokens",
+                            "generation_seconds", "acceptance"}  # fmt: skip
+        assert set(row["acceptance"]) == {"offline/held-out", "offline/humaneval"}
+        assert all(v is None or v >= 1.0 for v in row["acceptance"].values())
+    assert "seed_spread" in data
+    markdown = (root / "report.md").read_text()
+    assert "| variant | seed |" in markdown and "offline held-out" in markdown and "online humaneval" in markdown
+
+    # a re-run reuses everything: no request, no extraction, no training
+    post_json(server.removesuffix("/v1") + "/stats/reset")
+    final = Path(rows["all-turns/seed1"].draft_dir) / "model.safetensors"
+    mtime = final.stat().st_mtime_ns
+    again = _run(layout, verifier, server)
+    assert sum(get_json(server.removesuffix("/v1") + "/stats")["requests"].values()) == 0
+    assert final.stat().st_mtime_ns == mtime
+    assert [r.__dict__ for r in again.rows] == [r.__dict__ for r in report.rows]
+
+
+def test_bad_settings_are_refused_by_name(tmp_path: Path, server: str) -> None:
+    layout, verifier = _setup(tmp_path)
+    with pytest.raises(ConfigError, match="token_budget=100: below one step"):
+        _run(layout, verifier, server, token_budget=100)
+    with pytest.raises(ConfigError, match="spread_variant='every-turn'"):
+        _run(layout, verifier, server, spread_variant="every-turn")
+    with pytest.raises(ValueError, match="conversations=50: raw_prompts .* has only 8 rows with a dataset answer"):
+        _run(layout, verifier, server, conversations=50)
+    assert not ablation_folder(layout).exists()  # refused before anything was written
