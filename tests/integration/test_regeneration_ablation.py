@@ -115,6 +115,48 @@ def test_bad_settings_are_refused_by_name(tmp_path: Path, server: str) -> None:
         _run(layout, verifier, server, token_budget=100)
     with pytest.raises(ConfigError, match="spread_variant='every-turn'"):
         _run(layout, verifier, server, spread_variant="every-turn")
-    with pytest.raises(ValueError, match="conversations=50: raw_prompts .* has only 8 rows with a dataset answer"):
+    with pytest.raises(ValueError, match=r"conversations=50: raw_prompts .* has only 8 rows with a dataset answer"):
         _run(layout, verifier, server, conversations=50)
     assert not ablation_folder(layout).exists()  # refused before anything was written
+
+
+def test_asset_is_opt_in_and_reports_metadata(tmp_path: Path, server: str) -> None:
+    import dagster as dg
+
+    from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.defs.ablation import OPT_IN_ASSETS, RegenerationAblationRunConfig
+    from eagle3_assets.defs.automation import AUTOMATED_ASSETS
+    from eagle3_assets.defs.inference import RemoteVLLMResource
+    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource, default_resources
+
+    layout, verifier = _setup(tmp_path)
+    resources = {
+        **default_resources(),
+        "data_store": DataStoreResource(data_dir=str(layout.root)),
+        "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", device="cpu"),
+        "inference_server": RemoteVLLMResource(base_url=server, model="fake-model", concurrency=4, max_tokens=24),
+    }
+    defs = build_definitions(resources)
+    key = dg.AssetKey("regeneration_ablation")
+    node = defs.resolve_asset_graph().get(key)
+    assert node.group_name == "ablation" and node.automation_condition is None
+    assert "regeneration_ablation" in OPT_IN_ASSETS and "regeneration_ablation" not in AUTOMATED_ASSETS
+
+    with pytest.raises(ConfigError, match="seeds='0,0'"):
+        RegenerationAblationRunConfig(seeds="0,0")
+    config = {"conversations": 4, "held_out": 2, "humaneval": 2, "token_budget": 512, "tokens_per_batch": 256,
+              "partition_size": 2, "draft_vocab_size": 256, "k": 2, "online": False, "max_val_batches": 1,
+              "offline_max_samples": 2, "max_seq_len": 256}  # fmt: skip
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(
+            list(defs.assets or []),
+            selection=["regeneration_ablation"],
+            instance=instance,
+            resources=defs.resources,
+            run_config={"ops": {"regeneration_ablation": {"config": config}}},
+        )
+    metadata = result.asset_materializations_for_node("regeneration_ablation")[0].metadata
+    assert "| variant | seed |" in metadata["report"].value
+    for prefix in ("dataset_seed0", "last-turn_seed0", "all-turns_seed0", "all-turns_seed1"):
+        assert metadata[f"{prefix}/tokens_trained"].value > 0
+        assert f"{prefix}/offline/held-out" in metadata
