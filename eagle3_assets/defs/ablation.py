@@ -51,6 +51,11 @@ class RegenerationAblationRunConfig(SettingsConfig):
         _DEFAULT.spread_variant, description="Variant trained with every seed.", check=settings.one_of(*VARIANTS)
     )
     partition_size: int = setting(_DEFAULT.partition_size, description="Conversations per partition.", gt=0)
+    max_conversation_chars: int = setting(
+        _DEFAULT.max_conversation_chars,
+        description="Longer conversations are passed over (each must fit the server's context whole).",
+        gt=0,
+    )
     draft_vocab_size: int = setting(_DEFAULT.draft_vocab_size, description="Draft vocabulary size.", gt=0)
     num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
     k: int = setting(_DEFAULT.k, description="num_speculative_tokens (and TTT steps).", gt=0)
@@ -68,7 +73,8 @@ def ablation_config(config: RegenerationAblationRunConfig) -> AblationConfig:
         conversations=config.conversations, held_out=config.held_out, humaneval=config.humaneval,
         token_budget=config.token_budget, tokens_per_batch=config.tokens_per_batch,
         seeds=check_seeds("seeds", config.seeds), spread_variant=config.spread_variant,
-        partition_size=config.partition_size, draft_vocab_size=config.draft_vocab_size, k=config.k,
+        partition_size=config.partition_size, max_conversation_chars=config.max_conversation_chars,
+        draft_vocab_size=config.draft_vocab_size, k=config.k,
         online=config.online, max_val_batches=config.max_val_batches, offline_max_samples=config.offline_max_samples,
     )  # fmt: skip
 

@@ -69,6 +69,8 @@ class AblationConfig:
     seeds: tuple[int, ...] = (0, 1)  # the first trains every variant; the others train `spread_variant` again
     spread_variant: str = "all-turns"
     partition_size: int = 100  # conversations per partition (the unit a re-run reuses)
+    # longer conversations are passed over: each must fit the server's context whole (~4 characters per token)
+    max_conversation_chars: int = 6000
     draft_vocab_size: int = 8192
     k: int = 3
     online: bool = True
@@ -77,7 +79,7 @@ class AblationConfig:
 
     def validate(self) -> None:
         for name in ("conversations", "held_out", "humaneval", "token_budget", "tokens_per_batch", "partition_size",
-                     "draft_vocab_size", "k", "max_val_batches"):  # fmt: skip
+                     "max_conversation_chars", "draft_vocab_size", "k", "max_val_batches"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
@@ -352,7 +354,7 @@ def run_ablation(
     config.validate()
     stages = _Stages(Path(verifier).expanduser().resolve(), generation, hidden, train, online, log or logger.info)
     root = layout.root / FOLDER
-    convs, held = select_conversations(layout, config.conversations, config.held_out)
+    convs, held = select_conversations(layout, config.conversations, config.held_out, config.max_conversation_chars)
     eval_layout, eval_keys = _build_eval_sets(root, held, config, stages)
     held_key = next(iter(eval_keys.values()))
     variants = [_build_variant(v, root, convs, eval_layout, held_key, config, stages) for v in VARIANTS]

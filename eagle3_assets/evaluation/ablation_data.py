@@ -27,12 +27,15 @@ Messages = list[dict[str, str]]
 
 @dataclass(frozen=True)
 class AblationConversation:
+    """One conversation as the dataset has it (:func:`dataset_conversation`), the one thing every variant uses."""
+
     sample_id: str
-    prompt: tuple[dict[str, str], ...]  # raw_prompts' messages: what regeneration asks (history + last user turn)
-    dataset: tuple[dict[str, str], ...]  # the dataset's turns, from the first user turn to its last answer
+    dataset: tuple[dict[str, str], ...]  # a leading system turn, then the first user turn to the last answer
 
     def request(self) -> PromptToGenerate:
-        return PromptToGenerate(self.sample_id, list(self.prompt))
+        """What regeneration asks: the conversation without its last answer (it ends on the user turn that answer
+        answered); last-turn mode regenerates that answer, all-turns mode every answer."""
+        return PromptToGenerate(self.sample_id, list(self.dataset[:-1]))
 
 
 def dataset_conversation(turns: Sequence[Mapping[str, Any]]) -> Messages:
@@ -49,9 +52,13 @@ def dataset_conversation(turns: Sequence[Mapping[str, Any]]) -> Messages:
 
 
 def select_conversations(
-    layout: DataLayout, n: int, held_out: int
+    layout: DataLayout, n: int, held_out: int, max_chars: int
 ) -> tuple[list[AblationConversation], list[PromptToGenerate]]:
-    """(the ``n`` training conversations, the ``held_out`` prompts after them) from ``raw_prompts``."""
+    """(the ``n`` training conversations, the ``held_out`` prompts after them) from ``raw_prompts``.
+
+    A conversation is taken from the dataset's own turns (``dataset_turns.parquet``), whatever turns raw_prompts kept
+    for the pipeline (``EAGLE3_PROMPTS_TURNS``); one longer than ``max_chars`` is passed over, so that every variant
+    can be asked the whole of every conversation within the server's context."""
     table, turns_path = layout.prompts_path, dataset_turns_path(layout)
     if not table.exists():
         raise FileNotFoundError(f"no raw_prompts table at {table}: materialize raw_prompts first")
@@ -70,13 +77,14 @@ def select_conversations(
             break
         rest += 1
         dataset = dataset_conversation(row["dataset_messages"] or [])
-        if any(m["role"] == "assistant" for m in dataset):
-            chosen.append(AblationConversation(row["sample_id"], tuple(normalize_messages(row["messages"])),
-                                               tuple(dataset)))  # fmt: skip
+        chars = sum(len(m["content"]) for m in dataset)
+        if any(m["role"] == "assistant" for m in dataset) and chars <= max_chars:
+            chosen.append(AblationConversation(row["sample_id"], tuple(dataset)))
     if len(chosen) < n:
         raise ValueError(
-            f"conversations={n}: raw_prompts at {table} has only {len(chosen)} rows with a dataset answer; lower "
-            "conversations or use a larger dataset (EAGLE3_PROMPTS_PATH)"
+            f"conversations={n}: raw_prompts at {table} has only {len(chosen)} rows with a dataset answer within "
+            f"max_conversation_chars={max_chars}; lower conversations, raise max_conversation_chars or use a larger "
+            "dataset (EAGLE3_PROMPTS_PATH, EAGLE3_PROMPTS_LIMIT)"
         )
     after = frame.slice(rest, held_out)
     if after.height < held_out:
