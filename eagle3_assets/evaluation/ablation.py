@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,6 +334,7 @@ def _online(rows: list[DraftRow], eval_layout: DataLayout, held: list[PromptToGe
     if cached.get("key") != key:
         result = evaluate_online(stages.verifier, drafts, sets, cfg, stages.log)
         values = {f"{s.label}|online/{s.prompt_set}": s.mean_acceptance_length for s in result.stats}
+        values = {k: v if math.isfinite(v) else None for k, v in values.items()}  # no drafts measured: None
         cached = {"key": key, "values": values}
         storage.write_json_atomic(cached, root / ONLINE_FILE)
     for row in rows:

@@ -57,14 +57,32 @@ def _run(layout: DataLayout, verifier: Path, url: str, **overrides: object):  # 
     return run_ablation(layout, verifier, config, generation, hidden, train, log=print)
 
 
-def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str) -> None:
+def _fake_online(calls: list[dict]):  # type: ignore[no-untyped-def]
+    """Stands in for vLLM (tests/e2e has the real one): records the drafts and prompt sets it is asked about."""
+    from eagle3_assets.evaluation.online import OnlineResult
+    from eagle3_assets.evaluation.report import AcceptanceStats
+
+    def evaluate_online(verifier, drafts, prompt_sets, config, log=None):  # type: ignore[no-untyped-def]
+        calls.append({"drafts": dict(drafts), "sets": {k: [p.sample_id for p in v] for k, v in prompt_sets.items()}})
+        stats = [AcceptanceStats(label, "online", config.k, 10, 20, 5 + i, [3, 2], prompt_set=name)
+                 for i, label in enumerate(drafts) for name in prompt_sets]  # fmt: skip
+        return OnlineResult(stats=stats, baseline={}, mismatches={}, startup_s={})
+
+    return evaluate_online
+
+
+def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from eagle3_assets.evaluation import online
+
+    calls: list[dict] = []
+    monkeypatch.setattr(online, "evaluate_online", _fake_online(calls))
     layout, verifier = _setup(tmp_path)
     # raw_prompts keeps the dataset's answers beside its table; the table itself still ends on a user turn
     turns = pl.read_parquet(dataset_turns_path(layout))
     assert turns.filter(pl.col("sample_id") == "c0")["messages"][0][-1]["role"] == "assistant"
     assert pl.read_parquet(layout.prompts_path)["messages"][0][-1]["role"] == "user"
 
-    report = _run(layout, verifier, server)
+    report = _run(layout, verifier, server, online=True)
     root = ablation_folder(layout)
     rows = {row.key(): row for row in report.rows}
     assert sorted(rows) == ["all-turns/seed0", "all-turns/seed1", "dataset/seed0", "last-turn/seed0"]
@@ -93,8 +111,17 @@ def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str) -> None:
     for row in data["rows"]:
         assert set(row) >= {"variant", "seed", "tokens_trained", "token_budget", "generation_tokens",
                             "generation_seconds", "acceptance"}  # fmt: skip
-        assert set(row["acceptance"]) == {"offline/held-out", "offline/humaneval"}
+        assert set(row["acceptance"]) == {
+            "offline/held-out",
+            "offline/humaneval",
+            "online/held-out",
+            "online/humaneval",
+        }
         assert all(v is None or v >= 1.0 for v in row["acceptance"].values())
+    # one online evaluation of the four drafts, on the held-out rows after the conversations and on HumanEval
+    assert len(calls) == 1 and sorted(calls[0]["drafts"]) == sorted(rows)
+    assert calls[0]["sets"]["held-out"] == ["c4", "c5"] and len(calls[0]["sets"]["humaneval"]) == 2
+    assert rows["dataset/seed0"].acceptance["online/held-out"] == 1.5
     assert "seed_spread" in data
     markdown = (root / "report.md").read_text()
     assert "| variant | seed |" in markdown and "offline held-out" in markdown and "online humaneval" in markdown
@@ -103,7 +130,8 @@ def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str) -> None:
     post_json(server.removesuffix("/v1") + "/stats/reset")
     final = Path(rows["all-turns/seed1"].draft_dir) / "model.safetensors"
     mtime = final.stat().st_mtime_ns
-    again = _run(layout, verifier, server)
+    again = _run(layout, verifier, server, online=True)
+    assert len(calls) == 1  # the online results of the same drafts are reused
     assert sum(get_json(server.removesuffix("/v1") + "/stats")["requests"].values()) == 0
     assert final.stat().st_mtime_ns == mtime
     assert [r.__dict__ for r in again.rows] == [r.__dict__ for r in report.rows]
