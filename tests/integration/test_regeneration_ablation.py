@@ -188,3 +188,29 @@ def test_asset_is_opt_in_and_reports_metadata(tmp_path: Path, server: str) -> No
     for prefix in ("dataset_seed0", "last-turn_seed0", "all-turns_seed0", "all-turns_seed1"):
         assert metadata[f"{prefix}/tokens_trained"].value > 0
         assert f"{prefix}/offline/held-out" in metadata
+
+
+def test_demo_stages_leave_the_ablation_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dagster as dg
+
+    from eagle3_assets import demo
+    from eagle3_assets.definitions import build_definitions
+
+    selected: list[str] = []
+
+    class _Done:
+        success = True
+
+        def get_asset_materialization_events(self) -> list:
+            return []
+
+    def materialize(assets, selection, **kwargs):  # type: ignore[no-untyped-def]
+        selected.extend(str(s) for s in selection)
+        return _Done()
+
+    monkeypatch.setattr(dg, "materialize", materialize)
+    with dg.instance_for_test() as instance:
+        demo.run_stages(build_definitions(), instance, lambda _line: None, lambda _name: None)
+        assert "regeneration_ablation" not in " ".join(selected) and selected  # the unpartitioned stages ran
+        demo.run_stages(build_definitions(), instance, lambda _l: None, lambda _n: None, only=["regeneration_ablation"])
+    assert "regeneration_ablation" in selected[-1]  # by name it runs
