@@ -42,7 +42,7 @@ def _setup(tmp_path: Path) -> tuple[DataLayout, Path]:
     return layout, cached_tiny_verifier(hidden_size=256, vocab_size=4096)
 
 
-def _run(layout: DataLayout, verifier: Path, url: str, **overrides: object):  # type: ignore[no-untyped-def]
+def _run(layout: DataLayout, verifier: Path, url: str, max_tokens: int = 24, **overrides: object):  # type: ignore[no-untyped-def]
     from eagle3_assets.hidden_states import HiddenStatesConfig
     from eagle3_assets.training import TrainConfig
 
@@ -50,7 +50,7 @@ def _run(layout: DataLayout, verifier: Path, url: str, **overrides: object):  # 
                                "tokens_per_batch": 256, "seeds": (0, 1), "partition_size": 2,
                                "draft_vocab_size": 256, "k": 2, "online": False, "max_val_batches": 1,
                                "offline_max_samples": 2, **overrides})  # type: ignore[arg-type]  # fmt: skip
-    generation = GenerationConfig(base_urls=[url], model="fake-model", concurrency=4, max_tokens=24,
+    generation = GenerationConfig(base_urls=[url], model="fake-model", concurrency=4, max_tokens=max_tokens,
                                   progress_interval_s=60)  # fmt: skip
     hidden = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=256, num_threads=1)
     train = TrainConfig(device="cpu", num_threads=1, ttt_steps=2, init="speculators")
@@ -135,6 +135,15 @@ def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str, monkeypatc
     assert sum(get_json(server.removesuffix("/v1") + "/stats")["requests"].values()) == 0
     assert final.stat().st_mtime_ns == mtime
     assert [r.__dict__ for r in again.rows] == [r.__dict__ for r in report.rows]
+
+    # other answers (a changed max_tokens) with the same sample count: retrained from scratch, never resumed from
+    # the checkpoints of the earlier data (train_draft's own checkpoint fingerprint counts samples only)
+    from eagle3_assets.storage import file_digest
+
+    before = file_digest(final)
+    changed = _run(layout, verifier, server, max_tokens=4, online=True)  # every answer cut shorter
+    assert file_digest(final) != before
+    assert {r.key(): r.steps for r in changed.rows} == {r.key(): r.steps for r in report.rows}
 
 
 def test_bad_settings_are_refused_by_name(tmp_path: Path, server: str) -> None:
