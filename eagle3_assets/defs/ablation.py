@@ -105,7 +105,10 @@ def regeneration_ablation(
         ttt_steps=config.k, num_layers=config.num_layers, device=verifier.device, precision=verifier.precision
     )
     log_dir = ablation_folder(data_store.layout) / "_logs"
-    online = OnlineConfig(max_tokens=config.max_tokens, reasoning_parser=verifier.reasoning_parser, log_dir=log_dir)
+    # acceptance only: batch-1 speed runs would add minutes per server and are not in the report
+    online = OnlineConfig(
+        max_tokens=config.max_tokens, speed_prompts=0, reasoning_parser=verifier.reasoning_parser, log_dir=log_dir
+    )
     report = run_ablation(
         data_store.layout,
         verifier.resolved_path(),
