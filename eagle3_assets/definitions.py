@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle3_assets.defs import draft, evaluation, hidden_states, prompts, responses
+from eagle3_assets.defs import ablation, draft, evaluation, hidden_states, prompts, responses
 from eagle3_assets.defs.automation import code_location_settings, with_automation
 from eagle3_assets.defs.resources import default_resources
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    modules = [prompts, responses, hidden_states, draft, evaluation]
+    modules = [prompts, responses, hidden_states, draft, evaluation, ablation]  # ablation: opt-in, see its module
     assets, sensors = with_automation(dg.load_assets_from_modules(modules), code_location_settings())
     return dg.Definitions(
         assets=assets,

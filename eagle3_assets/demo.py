@@ -169,6 +169,7 @@ def run_stages(
     line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows."""
     import dagster as dg
 
+    from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 
     graph = defs.resolve_asset_graph()
@@ -176,7 +177,7 @@ def run_stages(
     timings: list[tuple[str, str, float]] = []
     for key in graph.toposorted_asset_keys:
         name = key.to_user_string()
-        if only is not None and name not in only:
+        if (only is not None and name not in only) or (only is None and name in OPT_IN_ASSETS):
             continue
         run_config = run_config_for(name)
         partitioned = graph.get(key).partitions_def is not None

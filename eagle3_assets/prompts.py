@@ -53,6 +53,9 @@ class Prompt:
     messages: tuple[tuple[str, str], ...]  # (role, content); hashable, so duplicates are cheap to find
     source_line: int
     source_format: str
+    # the row's turns as the dataset has them, assistant answers included (the regeneration ablation's variant
+    # trained on the dataset's own answers); written beside the table by build_prompt_table, never sent
+    dataset_turns: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def prompt_chars(self) -> int:
@@ -256,7 +259,7 @@ def load_prompts(
             continue
         seen_messages[messages] = (number, sample_id)
         id_to_messages[sample_id] = (messages, number)
-        result.prompts.append(Prompt(sample_id, messages, number, source_format))
+        result.prompts.append(Prompt(sample_id, messages, number, source_format, tuple(_turns(row)[1])))
     result.cut = array.cut if array is not None else None
     return result
 
@@ -383,6 +386,7 @@ def build_prompt_table(
     ).encode()
     storage.write_bytes_atomic(rejects_jsonl, layout.rejects_path)
     storage.write_parquet_atomic(table, layout.prompts_path)
+    storage.write_parquet_atomic(_dataset_turns_frame(loaded.prompts), dataset_turns_path(layout))
     keys = sorted(set(table["partition_key"].to_list()))
     storage.write_json_atomic(
         {
@@ -474,3 +478,20 @@ def _prompt_frame(prompts: list[Any], positions: list[int], partition_size: int)
             "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
         },
     ).sort("position")
+
+
+def dataset_turns_path(layout: Any) -> Path:
+    """Beside the prompt table: every sample's turns as the dataset has them, its assistant answers included."""
+    return Path(layout.asset_dir("raw_prompts")) / "dataset_turns.parquet"
+
+
+def _dataset_turns_frame(prompts: list[Prompt]) -> Any:
+    import polars as pl
+
+    return pl.DataFrame(
+        {
+            "sample_id": [p.sample_id for p in prompts],
+            "messages": [[{"role": r, "content": c} for r, c in p.dataset_turns] for p in prompts],
+        },
+        schema_overrides={"messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String}))},
+    )

@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 
 from eagle3_assets import settings
+from eagle3_assets.defs.ablation import RegenerationAblationRunConfig
 from eagle3_assets.defs.draft import DraftModelRunConfig
 from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
@@ -136,6 +137,8 @@ def _same(a: object, b: object) -> bool:
         # the asset caps the offline simulation (minutes on a CPU); the core's default is the whole partition
         (DraftEvaluationRunConfig, "eagle3_assets.evaluation.online:OnlineConfig", set()),
         (DraftEvaluationRunConfig, "eagle3_assets.evaluation.evaluate:EvaluationOptions", {"offline_max_samples"}),
+        # seeds: comma-separated text on the Dagster side, a tuple in the core
+        (RegenerationAblationRunConfig, "eagle3_assets.evaluation.ablation:AblationConfig", {"seeds"}),
     ],
 )
 def test_no_default_drifts_between_a_setting_and_the_core_dataclass(

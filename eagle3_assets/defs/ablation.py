@@ -1,0 +1,139 @@
+"""``regeneration_ablation``: drafts trained on the dataset's answers, last-turn and all-turns regeneration, compared.
+
+Opt-in: in its own group, outside the demo's stages and the automation, with no automation condition; materialize it
+by name (``dagster asset materialize --select regeneration_ablation``). The core is
+:mod:`eagle3_assets.evaluation.ablation`.
+"""
+
+import dagster as dg
+
+from eagle3_assets import settings
+from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig, hidden_states_config
+from eagle3_assets.defs.inference import InferenceServerResource
+from eagle3_assets.defs.prompts import raw_prompts
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig
+from eagle3_assets.settings import setting
+
+GROUP = "ablation"
+# assets that only run when asked for by name: the demo's stages and the automation leave them out
+OPT_IN_ASSETS = ("regeneration_ablation",)
+_DEFAULT = AblationConfig()
+
+
+def check_seeds(key: str, value: object) -> tuple[int, ...]:
+    """Comma-separated distinct non-negative integers, at least one."""
+    parts = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise settings.fail(key, value, "must be distinct non-negative integers, comma-separated, e.g. 0,1")
+    return tuple(int(p) for p in parts)
+
+
+check_seeds.allowed = "comma-separated seeds, e.g. `0,1`"  # type: ignore[attr-defined]
+
+
+class RegenerationAblationRunConfig(SettingsConfig):
+    """The ablation's size; defaults fit a few hundred ShareGPT conversations in ~3 hours on 2 cores."""
+
+    conversations: int = setting(
+        _DEFAULT.conversations, description="Training conversations (the same for every variant).", gt=0
+    )
+    held_out: int = setting(_DEFAULT.held_out, description="Held-out prompts (raw_prompts rows after them).", gt=0)
+    humaneval: int = setting(_DEFAULT.humaneval, description="HumanEval problems evaluated.", gt=0)
+    token_budget: int = setting(_DEFAULT.token_budget, description="Packed training tokens per draft.", gt=0)
+    tokens_per_batch: int = setting(_DEFAULT.tokens_per_batch, description="Packed tokens per step.", gt=0)
+    seeds: str = setting(
+        ",".join(map(str, _DEFAULT.seeds)),
+        description="Seeds: the first trains every variant, the others train spread_variant again (the spread).",
+        check=check_seeds,
+    )
+    spread_variant: str = setting(
+        _DEFAULT.spread_variant, description="Variant trained with every seed.", check=settings.one_of(*VARIANTS)
+    )
+    partition_size: int = setting(_DEFAULT.partition_size, description="Conversations per partition.", gt=0)
+    max_conversation_chars: int = setting(
+        _DEFAULT.max_conversation_chars,
+        description="Longer conversations are passed over (each must fit the server's context whole).",
+        gt=0,
+    )
+    draft_vocab_size: int = setting(_DEFAULT.draft_vocab_size, description="Draft vocabulary size.", gt=0)
+    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    k: int = setting(_DEFAULT.k, description="num_speculative_tokens (and TTT steps).", gt=0)
+    online: bool = setting(_DEFAULT.online, description="Also measure acceptance in vLLM; false: offline only.")
+    max_tokens: int = setting(128, description="Online: max_tokens per request.", gt=0)
+    max_val_batches: int = setting(_DEFAULT.max_val_batches, description="Validation batches per epoch.", gt=0)
+    offline_max_samples: int = setting(
+        _DEFAULT.offline_max_samples or 64, description="Stored samples simulated offline per prompt set.", gt=0
+    )
+    max_seq_len: int = setting(2048, description="Tokens kept per training sample (longer ones are cut).", gt=1)
+
+
+def ablation_config(config: RegenerationAblationRunConfig) -> AblationConfig:
+    return AblationConfig(
+        conversations=config.conversations, held_out=config.held_out, humaneval=config.humaneval,
+        token_budget=config.token_budget, tokens_per_batch=config.tokens_per_batch,
+        seeds=check_seeds("seeds", config.seeds), spread_variant=config.spread_variant,
+        partition_size=config.partition_size, max_conversation_chars=config.max_conversation_chars,
+        draft_vocab_size=config.draft_vocab_size, k=config.k,
+        online=config.online, max_val_batches=config.max_val_batches, offline_max_samples=config.offline_max_samples,
+    )  # fmt: skip
+
+
+@dg.asset(
+    deps=[raw_prompts],
+    group_name=GROUP,
+    kinds={"pytorch", "vllm"},
+    description=(
+        "Does regeneration pay for this model? Drafts of the same shape, seed and training token budget trained on "
+        "the same conversations: (a) the dataset's own answers, (b) last-turn and (c) all-turns regeneration, "
+        "compared offline and online on held-out prompts and HumanEval, with the generation cost of each and a "
+        "second seed's spread. Opt-in: not part of the demo or the automation."
+    ),
+)
+def regeneration_ablation(
+    context: dg.AssetExecutionContext,
+    config: RegenerationAblationRunConfig,
+    data_store: DataStoreResource,
+    verifier: VerifierResource,
+    inference_server: InferenceServerResource,
+) -> dg.MaterializeResult:
+    from eagle3_assets.evaluation.ablation import ablation_folder, run_ablation
+    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.training import TrainConfig
+
+    train = TrainConfig(
+        ttt_steps=config.k, num_layers=config.num_layers, device=verifier.device, precision=verifier.precision
+    )
+    log_dir = ablation_folder(data_store.layout) / "_logs"
+    # acceptance only: batch-1 speed runs would add minutes per server and are not in the report
+    online = OnlineConfig(
+        max_tokens=config.max_tokens, speed_prompts=0, reasoning_parser=verifier.reasoning_parser, log_dir=log_dir
+    )
+    report = run_ablation(
+        data_store.layout,
+        verifier.resolved_path(),
+        ablation_config(config),
+        inference_server.generation_config(),
+        hidden_states_config(HiddenStatesRunConfig(max_seq_len=config.max_seq_len), verifier),
+        train,
+        online,
+        log=context.log.info,
+    )
+    per_draft: dict[str, object] = {}
+    for row in report.rows:
+        prefix = f"{row.variant}_seed{row.seed}"
+        per_draft[f"{prefix}/tokens_trained"] = row.tokens_trained
+        per_draft[f"{prefix}/generation_tokens"] = row.generation_tokens
+        per_draft[f"{prefix}/generation_seconds"] = row.generation_seconds
+        for column, value in row.acceptance.items():
+            per_draft[f"{prefix}/{column}"] = dg.MetadataValue.float(value if value is not None else float("nan"))
+    return dg.MaterializeResult(
+        metadata={
+            "report": dg.MetadataValue.md(report.markdown()),
+            "conversations": report.conversations,
+            "token_budget": report.token_budget,
+            "seed_spread": dg.MetadataValue.json(report.spread()),
+            **per_draft,
+            "path": dg.MetadataValue.path(str(ablation_folder(data_store.layout))),
+        }
+    )
