@@ -411,6 +411,9 @@ def measure_online(args: Any, layout: Any, draft: Path, samples: int, out: Path)
 
 
 def print_curve(curve_path: Path) -> None:
+    if not curve_path.exists():
+        print(f"no point measured yet ({curve_path})")
+        return
     print("\n| samples | lr | init | epochs | steps | tokens | train s | held-out acc. len | HumanEval acc. len |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in map(json.loads, curve_path.open()):

@@ -1,0 +1,89 @@
+"""Training-recipe probe: drafts trained side by side on the same partition for the same tokens, one knob changed each.
+
+Each variant trains from scratch on ``--train`` partitions for one epoch (the same packed tokens, the same seed) and
+is validated on ``--val`` with the same seeded batches, so the rows differ only in the knob named. It reads a data
+directory the project (or ``benchmarks/learning_curve.py``) already filled with hidden states; nothing else is built
+but the vocabulary mapping. One JSON line per variant is appended to ``--out`` as it finishes.
+
+    python benchmarks/recipe_probe.py --data DIR --verifier DIR --train 00000 --val 00001 \\
+        --variant 'base={}' --variant 'tokens4096={"tokens_per_batch": 4096}' --variant 'all={"loss_on": "all"}'
+
+Every variant starts from ``--base`` (JSON of TrainConfig fields) and applies its own fields on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+BASE = {"epochs": 1, "lr": 3e-3, "tokens_per_batch": 2048, "max_val_batches": 8, "keep_checkpoints": 1}
+
+
+def run_variant(
+    data: Path, verifier: Path, train: list[str], val: str, base: dict[str, Any], name: str, fields: dict[str, Any]
+) -> dict[str, Any]:
+    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.training import TrainConfig, train_draft
+
+    layout = DataLayout.at(data)
+    shutil.rmtree(layout.draft_model_dir, ignore_errors=True)  # every variant from scratch
+    config = TrainConfig(**{**base, **fields})
+    started = time.perf_counter()
+    result = train_draft(layout, train, val, verifier, config, log=lambda s: None)
+    seconds = time.perf_counter() - started
+    return {
+        "variant": name, **fields, "steps": result.steps, "tokens": result.tokens_trained,
+        "seconds": round(seconds, 1), "val_loss": result.val_loss[-1],
+        "val_accuracy_per_step": [round(a, 4) for a in result.val_accuracy[-1]],
+        "val_acceptance_length": result.val_acceptance_length[-1],
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="data dir with hidden_states partitions")
+    parser.add_argument("--verifier", type=Path, required=True)
+    parser.add_argument("--train", default="00000", help="comma-separated training partitions")
+    parser.add_argument("--val", default="00001", help="validation partition")
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--base", default="{}", help="JSON: TrainConfig fields every variant starts from")
+    parser.add_argument("--variant", action="append", required=True, help="NAME=JSON of TrainConfig fields")
+    parser.add_argument("--out", type=Path, help="JSON lines (default: <data>/recipe_probe.jsonl)")
+    args = parser.parse_args()
+
+    from transformers import AutoConfig
+
+    from eagle3_assets.precision import fastest_cpu_precision
+    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.training import build_vocab_mapping
+
+    train = args.train.split(",")
+    base = {**BASE, "device": "cpu", "precision": fastest_cpu_precision(), **json.loads(args.base)}
+    vocab = AutoConfig.from_pretrained(args.verifier).vocab_size
+    build_vocab_mapping(DataLayout.at(args.data), train, args.draft_vocab, target_vocab_size=vocab)
+    out = args.out or args.data / "recipe_probe.jsonl"
+    rows = []
+    for spec in args.variant:
+        name, _, fields = spec.partition("=")
+        row = run_variant(args.data, args.verifier, train, args.val, base, name, json.loads(fields or "{}"))
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    first = rows[0]
+    print("\n| variant | steps | tokens | seconds | val acc. per step | val acc. length | vs first |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        ratio = (row["val_acceptance_length"] - 1) / max(first["val_acceptance_length"] - 1, 1e-9)
+        print(
+            f"| {row['variant']} | {row['steps']} | {row['tokens']:,} | {row['seconds']:.0f} | "
+            f"{row['val_accuracy_per_step']} | {row['val_acceptance_length']:.3f} | {ratio:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
