@@ -16,7 +16,7 @@ variable (if any) and an optional semantic check. From that one declaration come
 
 Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME",
 description=..., gt=0, ...)`` to the resource that uses it (or to a new ``SettingsResource`` subclass
-listed in ``defs/resources.py`` ``SETTINGS_RESOURCES``), read ``self.name`` where it is needed, and
+listed in ``defs/registry.py`` ``settings_resources()``), read ``self.name`` where it is needed, and
 regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
 """
 
@@ -336,7 +336,7 @@ def check_environ(cls: type, environ: Mapping[str, str] | None = None) -> None:
         raise errors[0]
 
 
-def env_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | None = None) -> Any:
+def effective_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | None = None) -> Any:
     """The effective value of one environment setting: the variable's (validated) value, else the default."""
     env = os.environ if environ is None else environ
     for cls in classes:

@@ -17,7 +17,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle3_assets import settings
-from eagle3_assets.defs.resources import SettingsResource, read_api_key
+from eagle3_assets.defs.resources import SettingsResource, VerifierResource, read_api_key
 from eagle3_assets.settings import OUTAGE_BUDGET_S, setting
 
 if TYPE_CHECKING:
@@ -170,13 +170,12 @@ class LocalVLLMResource(InferenceServerResource):
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         super().setup_for_execution(context)
         settings.check_not_blank("model_path", self.model_path)
-        from eagle3_assets.defs.resources import env_value
         from eagle3_assets.local.vllm_server import LocalVLLMServer
 
         self._server = LocalVLLMServer(
             model_dir=self.model_path,
             # the verifier's setting (VerifierResource), resolved against this folder's tokenizer
-            reasoning_parser=env_value("EAGLE3_REASONING_PARSER"),
+            reasoning_parser=settings.effective_value([VerifierResource], "EAGLE3_REASONING_PARSER"),
             port=self.port,
             served_model_name=self.model or None,
             log_dir=self.log_dir or None,

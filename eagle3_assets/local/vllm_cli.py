@@ -1,4 +1,4 @@
-"""``eagle3 serve-local`` (``python -m eagle3_assets.local.vllm_server``): serve / start / stop / status.
+"""``eagle3 serve-local`` (``python -m eagle3_assets.local.vllm_cli``): serve / start / stop / status.
 
 * ``serve --model DIR [--port P]``   foreground; Ctrl-C or SIGTERM stops the server;
 * ``start --model DIR [--port P] [--pid-file F]``  detached; returns once ``/v1/models`` answers 200;
@@ -68,9 +68,9 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
 def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     """``--hidden-states``: the verifier in extraction mode (the ``vllm`` hidden-states backend's server)."""
 
-    from eagle3_assets.hidden_states.backends import resolve_layer_ids, verifier_shape
     from eagle3_assets.local.extraction import extraction_server_config
     from eagle3_assets.settings import parse_layer_ids
+    from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
     if args.speculative_config:
         raise SystemExit("error: --hidden-states sets its own --speculative-config; drop one of the two")

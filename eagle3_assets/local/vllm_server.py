@@ -17,7 +17,7 @@ Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here g
 started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
 started (a per-user record of pid, port and model folder) for the same model folder and served name.
 
-The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_server``) is
+The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_cli``) is
 :mod:`eagle3_assets.local.vllm_cli`; probing a running server (models, API key, metrics) is
 :mod:`eagle3_assets.local.vllm_probe`; stopping a process group is :mod:`eagle3_assets.local.process_group`.
 """
@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -61,12 +60,10 @@ __all__ = [
     "VLLMServerConfig",
     "VLLMServerError",
     "_only_zombies",
-    "build_parser",
     "check_vllm_python",
     "find_free_port",
     "list_models",
     "log_tail",
-    "main",
     "metric_total",
     "port_in_use",
     "read_metrics",
@@ -383,21 +380,3 @@ class LocalVLLMServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def build_parser() -> Any:
-    """``eagle3 serve-local``'s argument parser: see :mod:`eagle3_assets.local.vllm_cli`."""
-    from eagle3_assets.local.vllm_cli import build_parser as cli_parser
-
-    return cli_parser()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``eagle3 serve-local``: see :mod:`eagle3_assets.local.vllm_cli`."""
-    from eagle3_assets.local.vllm_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

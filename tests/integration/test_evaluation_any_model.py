@@ -195,7 +195,7 @@ def test_the_asset_and_the_cli_pass_the_settings_through(
 ) -> None:
     from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
-    from eagle3_assets.evaluation.cli import main
+    from eagle3_assets.cli.evaluate import main
 
     layout = DataLayout.at(tmp_path / "data")
     run_config = DraftEvaluationRunConfig(humaneval_prompts=5, speed_prompts=2, concurrency=16)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
-from eagle3_assets.defs.resources import EvaluationServersResource, default_resources
+from eagle3_assets.defs.registry import default_resources
+from eagle3_assets.defs.resources import EvaluationServersResource
 from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _measure
 from eagle3_assets.storage import DataLayout
 

@@ -258,7 +258,7 @@ def _cli_env(fake_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 def test_cli_start_status_stop(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
     env = _cli_env(fake_env, tmp_path)
     port = str(vs.find_free_port())
-    base = [sys.executable, "-m", "eagle3_assets.local.vllm_server"]
+    base = [sys.executable, "-m", "eagle3_assets.local.vllm_cli"]
     start = subprocess.run(
         [*base, "start", "--model", str(model_dir), "--port", port, "--served-model-name", "tiny"],
         env=env,
@@ -279,7 +279,7 @@ def test_cli_start_status_stop(tmp_path: Path, model_dir: Path, fake_env: dict[s
     assert again.returncode == 0 and "nothing to stop" in again.stdout
 
 
-SERVE = [sys.executable, "-m", "eagle3_assets.local.vllm_server", "serve"]
+SERVE = [sys.executable, "-m", "eagle3_assets.local.vllm_cli", "serve"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

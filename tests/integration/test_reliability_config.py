@@ -43,7 +43,7 @@ from support.reliability import closed_port_url, make_prompts, quick_config
     ],
 )
 def test_bad_environment_values_name_the_key(key: str, value: str, why: str) -> None:
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
 
     with pytest.raises(settings.ConfigError) as raised:
         env_value(key, {key: value})
@@ -211,7 +211,7 @@ def test_refused_connection_is_reported_as_a_connection_error(layout: DataLayout
     ],
 )
 def test_layer_ids_out_of_range_name_the_key(layer_ids: list[int], why: str) -> None:
-    from eagle3_assets.hidden_states.backends import resolve_layer_ids
+    from eagle3_assets.verifier import resolve_layer_ids
 
     with pytest.raises(settings.ConfigError) as raised:
         resolve_layer_ids(layer_ids, 4)

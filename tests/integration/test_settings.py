@@ -17,7 +17,7 @@ from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.resources import default_resources, env_value, settings_classes, settings_markdown
+from eagle3_assets.defs.registry import default_resources, env_value, settings_classes, settings_markdown
 from eagle3_assets.defs.responses import synthetic_responses
 from support.common import write_jsonl
 

@@ -20,11 +20,12 @@ from eagle3_assets.hidden_states import (
     check_token_ids,
     extract_partition,
 )
-from eagle3_assets.hidden_states.backends import plan_batches, resolve_layer_ids
+from eagle3_assets.hidden_states.backends import plan_batches
 from eagle3_assets.hidden_states.extract import hs_file
 from eagle3_assets.lineage import hidden_states_staging_dir
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout, DiskSpaceError
+from eagle3_assets.verifier import resolve_layer_ids
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 REPO = Path(__file__).resolve().parents[2]

@@ -115,14 +115,15 @@ def test_extraction_server_arguments(tmp_path: Path) -> None:
     ],
 )
 def test_new_settings_name_the_key_and_value(key: str, value: str, why: str) -> None:
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
 
     with pytest.raises(settings.ConfigError, match=f"{key}={value!r}: .*{why}"):
         env_value(key, {key: value})
 
 
 def test_new_settings_defaults() -> None:
-    from eagle3_assets.defs.resources import VerifierResource, env_value
+    from eagle3_assets.defs.registry import env_value
+    from eagle3_assets.defs.resources import VerifierResource
 
     env: dict[str, str] = {}
     assert env_value("EAGLE3_HIDDEN_STATES_BACKEND", env) == "hf"
