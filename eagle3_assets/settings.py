@@ -22,13 +22,14 @@ regenerate the README table with ``eagle3 config --markdown``. Nothing else list
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError
@@ -347,6 +348,22 @@ def effective_value(classes: Iterable[type], key: str, environ: Mapping[str, str
                     raise errors[0]
                 return values.get(field.name, field.default)
     raise KeyError(f"{key} is not a declared setting")
+
+
+Core = TypeVar("Core")
+
+
+def core_config(core: type[Core], source: object, **explicit: Any) -> Core:
+    """The core's config dataclass ``core`` from the settings declared on ``source`` (a resource or run config).
+
+    Every field of ``core`` that ``source``'s class declares as a setting of the same name is taken from
+    ``source``; ``explicit`` gives the others (values from another resource, or converted ones). A setting that
+    shares a core field's name declares its default as that field's (``setting(GenerationConfig.max_tokens, ...)``),
+    so each default is written once (``tests/unit/test_one_default.py``).
+    """
+    names = {f.name for f in dataclasses.fields(core)}  # type: ignore[arg-type]
+    shared = {f.name: getattr(source, f.name) for f in declared(type(source)) if f.name in names}
+    return core(**{**shared, **explicit})
 
 
 # ------------------------------------------------------------------------------------------ documentation

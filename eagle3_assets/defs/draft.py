@@ -11,9 +11,10 @@ from eagle3_assets.defs import metadata
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.settings import setting
+from eagle3_assets.training.config import TrainConfig
 
 if TYPE_CHECKING:
-    from eagle3_assets.training import TrainConfig, TrainResult
+    from eagle3_assets.training import TrainResult
 
 
 def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
@@ -91,56 +92,55 @@ def vocab_mapping(
 class DraftModelRunConfig(SettingsConfig):
     """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
 
-    epochs: int = setting(10, description="Training epochs.", gt=0)
-    lr: float = setting(1e-3, description="AdamW learning rate.", gt=0.0)
-    tokens_per_batch: int = setting(4096, description="Packed tokens per step.", gt=0)
-    ttt_steps: int = setting(3, description="Training-time-test steps (draft positions trained).", gt=0)
-    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    epochs: int = setting(TrainConfig.epochs, description="Training epochs.", gt=0)
+    lr: float = setting(TrainConfig.lr, description="AdamW learning rate.", gt=0.0)
+    tokens_per_batch: int = setting(TrainConfig.tokens_per_batch, description="Packed tokens per step.", gt=0)
+    ttt_steps: int = setting(
+        TrainConfig.ttt_steps, description="Training-time-test steps (draft positions trained).", gt=0
+    )
+    num_layers: int = setting(TrainConfig.num_layers, description="Draft decoder layers.", gt=0)
     val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
-    max_steps_per_epoch: int | None = setting(None, description="Cap on steps per epoch; empty: none.", gt=0)
+    max_steps_per_epoch: int | None = setting(
+        TrainConfig.max_steps_per_epoch, description="Cap on steps per epoch; empty: none.", gt=0
+    )
     max_val_batches: int | None = setting(
-        None, description="Validation batches per evaluation; empty: the whole held-out partition.", gt=0
+        TrainConfig.max_val_batches,
+        description="Validation batches per evaluation; empty: the whole held-out partition.",
+        gt=0,
     )
     init: str = setting(
-        "token_copy",
+        TrainConfig.init,
         description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
         check=settings.one_of("token_copy", "speculators"),
     )
-    num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+    num_threads: int | None = setting(
+        TrainConfig.num_threads, description="Torch threads on CPU; empty: all cores but one.", gt=0
+    )
     hidden_states_source: str = setting(
-        "stored",
+        TrainConfig.hidden_states_source,
         description="`stored` (the partitions' files), `online` (each batch's states computed while training by "
         "EAGLE3_HIDDEN_STATES_BACKEND, nothing stored; every epoch re-extracts) or `hybrid` (stored files, the rest "
         "online).",
         check=settings.one_of("stored", "online", "hybrid"),
     )
     prefetch_batches: int = setting(
-        2, description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).", gt=0
+        TrainConfig.prefetch_batches,
+        description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).",
+        gt=0,
     )
 
 
-def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
-    """The core's TrainConfig from the asset's run config and the verifier resource."""
-    from eagle3_assets.training import TrainConfig
-
-    return TrainConfig(
-        epochs=config.epochs,
-        lr=config.lr,
-        tokens_per_batch=config.tokens_per_batch,
-        ttt_steps=config.ttt_steps,
-        num_layers=config.num_layers,
+def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> TrainConfig:
+    """The core's TrainConfig from the asset's run config (same-named fields) and the verifier resource."""
+    return settings.core_config(
+        TrainConfig,
+        config,
         device=verifier.device,
         precision=verifier.precision,
-        max_steps_per_epoch=config.max_steps_per_epoch,
-        max_val_batches=config.max_val_batches,
-        init=config.init,
-        num_threads=config.num_threads,
         procs=verifier.train_procs,
-        hidden_states_source=config.hidden_states_source,
         online_backend=verifier.hidden_states_backend,
         online_urls=tuple(verifier.hidden_states_urls()),
         online_storage=verifier.hidden_states_storage or None,
-        prefetch_batches=config.prefetch_batches,
     )
 
 

@@ -10,11 +10,12 @@ from eagle3_assets.defs.resources import (
     SettingsConfig,
     VerifierResource,
 )
+from eagle3_assets.evaluation.evaluate import EvaluationOptions
+from eagle3_assets.evaluation.online import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions
     from eagle3_assets.evaluation.report import EvaluationReport
     from eagle3_assets.storage import DataLayout
 
@@ -22,21 +23,29 @@ if TYPE_CHECKING:
 class DraftEvaluationRunConfig(SettingsConfig):
     """The draft_evaluation asset's run config; ``evaluation_options`` turns it into the core's options."""
 
-    k: int = setting(3, description="num_speculative_tokens.", gt=0)
-    online: bool = setting(True, description="Serve the verifier with the drafts in vLLM; false: offline only.")
-    offline: bool = setting(True, description="Simulate acceptance offline from the stored hidden states.")
-    prompts: int = setting(32, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0)
-    humaneval_prompts: int = setting(
-        0, description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.", ge=0
+    k: int = setting(EvaluationOptions.k, description="num_speculative_tokens.", gt=0)
+    online: bool = setting(
+        EvaluationOptions.online, description="Serve the verifier with the drafts in vLLM; false: offline only."
     )
-    max_tokens: int = setting(128, description="max_tokens per online request.", gt=0)
+    offline: bool = setting(
+        EvaluationOptions.offline, description="Simulate acceptance offline from the stored hidden states."
+    )
+    prompts: int = setting(
+        OnlineConfig.prompts, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0
+    )
+    humaneval_prompts: int = setting(
+        OnlineConfig.humaneval_prompts,
+        description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.",
+        ge=0,
+    )
+    max_tokens: int = setting(OnlineConfig.max_tokens, description="max_tokens per online request.", gt=0)
     concurrency: int = setting(
-        64,
+        OnlineConfig.concurrency,
         description="Requests in flight per server for each prompt set's acceptance (which does not depend on it).",
         gt=0,
     )
     speed_prompts: int = setting(
-        8,
+        OnlineConfig.speed_prompts,
         description="Tokens/s with and without the draft on each prompt set's first N prompts, one at a time; 0: none.",
         ge=0,
     )
@@ -53,12 +62,9 @@ def evaluation_options(
     servers: EvaluationServersResource,
     layout: "DataLayout",
     verifier: VerifierResource | None = None,
-) -> "EvaluationOptions":
+) -> EvaluationOptions:
     """The core's EvaluationOptions from the asset's run config, the evaluation servers and the verifier resource
     (its reasoning parser and device; None: their defaults)."""
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions
-    from eagle3_assets.evaluation.online import OnlineConfig
-
     verifier = verifier or VerifierResource()
     return EvaluationOptions(
         k=config.k,

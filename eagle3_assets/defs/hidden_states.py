@@ -1,22 +1,18 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
-import os
-from typing import TYPE_CHECKING
-
 import dagster as dg
 
 from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
-from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource, read_api_key
 from eagle3_assets.defs.responses import synthetic_responses
+from eagle3_assets.hidden_states.extract import HiddenStatesConfig
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
 from eagle3_assets.settings import setting
-
-if TYPE_CHECKING:
-    from eagle3_assets.hidden_states import HiddenStatesConfig
 
 TOKEN_IDS = "hidden_states_token_ids_match"
 FINITE = "hidden_states_finite"
@@ -26,15 +22,23 @@ ONE_PER_OK = "hidden_states_one_per_ok_response"
 class HiddenStatesRunConfig(SettingsConfig):
     """The hidden_states asset's run config; ``hidden_states_config`` turns it into the core's config."""
 
-    max_seq_len: int = setting(2048, description="Tokens kept per sample (longer ones are cut).", gt=1)
+    max_seq_len: int = setting(
+        HiddenStatesConfig.max_seq_len, description="Tokens kept per sample (longer ones are cut).", gt=1
+    )
     dtype: str = setting(
-        "bfloat16",
+        HiddenStatesConfig.dtype,
         description="Storage dtype of the hidden states: float8_e4m3fn halves bf16's bytes (one scale per token and "
         "layer).",
         check=settings.one_of(*STORAGE_DTYPES),
     )
-    batch_tokens: int = setting(8192, description="hf backend: padded tokens per forward pass.", gt=0)
-    concurrency: int = setting(32, description="vllm backend: requests in flight over the extraction servers.", gt=0)
+    batch_tokens: int = setting(
+        HiddenStatesConfig.batch_tokens, description="hf backend: padded tokens per forward pass.", gt=0
+    )
+    concurrency: int = setting(
+        VLLMBackendOptions.concurrency,
+        description="vllm backend: requests in flight over the extraction servers.",
+        gt=0,
+    )
     store_budget_gib: float | None = setting(
         None,
         description="State files kept per partition, GiB: empty stores all; 0 stores none (draft_model trains "
@@ -43,28 +47,25 @@ class HiddenStatesRunConfig(SettingsConfig):
     )
 
 
-def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> "HiddenStatesConfig":
-    """The core's HiddenStatesConfig from the asset's run config and the verifier resource."""
-    from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-
-    return HiddenStatesConfig(
+def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> HiddenStatesConfig:
+    """The core's HiddenStatesConfig from the asset's run config (same-named fields) and the verifier resource."""
+    return settings.core_config(
+        HiddenStatesConfig,
+        config,
         layer_ids=verifier.layer_id_list(),
-        max_seq_len=config.max_seq_len,
-        dtype=config.dtype,
         # the backend and its servers are the verifier resource's (EAGLE3_HIDDEN_STATES_*), overridable per run
         backend=verifier.hidden_states_backend,
         device=verifier.device,
         precision=verifier.precision,
-        batch_tokens=config.batch_tokens,
         store_budget_bytes=None if config.store_budget_gib is None else int(config.store_budget_gib * 2**30),
-        vllm=VLLMBackendOptions(
+        vllm=settings.core_config(
+            VLLMBackendOptions,
+            config,
             urls=tuple(verifier.hidden_states_urls()),
             storage_path=verifier.hidden_states_storage or None,
-            concurrency=config.concurrency,
             outage_budget_s=verifier.hidden_states_outage_budget_s,
             # a remote extraction deployment sits behind the same key as the generation servers
-            api_key=os.environ.get("EAGLE3_API_KEY") or None,
+            api_key=read_api_key(),
         ),
     )
 
