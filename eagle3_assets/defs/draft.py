@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from eagle3_assets.training import TrainResult
 
 
-def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
+def hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
     from eagle3_assets.lineage import partitions_passing_checks
 
     # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
@@ -67,7 +67,7 @@ def vocab_mapping(
     from eagle3_assets.training import build_vocab_mapping
 
     verifier_config = json.loads((verifier.resolved_path() / "config.json").read_text())
-    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     result = build_vocab_mapping(
         data_store.layout, train_keys, config.draft_vocab_size, target_vocab_size=int(verifier_config["vocab_size"])
     )
@@ -212,7 +212,7 @@ def draft_model(
     from eagle3_assets import plots
     from eagle3_assets.training import train_draft
 
-    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     core_config = train_config(config, verifier)
     if core_config.procs == 1:
         # one process: this one (no second interpreter paying the ~20 s speculators import)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.local.process_group import stop_process_group
-from eagle3_assets.local.vllm_probe import API_KEY_ENV, _probe_models, _unauthorized_message
+from eagle3_assets.local.vllm_probe import API_KEY_ENV, probe_models, unauthorized_message
 from eagle3_assets.local.vllm_server import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -202,9 +202,9 @@ def _is_vllm_process(pid: int) -> bool:
 def _cmd_status(args: argparse.Namespace) -> int:
     base_url = f"http://{args.host}:{args.port}/v1"
     api_key = os.environ.get(API_KEY_ENV) or None
-    models, status = _probe_models(base_url, 5.0, api_key)
+    models, status = probe_models(base_url, 5.0, api_key)
     if status == 401:
-        print(_unauthorized_message(base_url, api_key))
+        print(unauthorized_message(base_url, api_key))
         return 1
     if models is None:
         print(f"no server answering at {base_url}")

@@ -97,7 +97,7 @@ def _gone(pid: int) -> bool:
         os.killpg(pid, 0)
     except ProcessLookupError:
         return True
-    return vs._only_zombies(pid)
+    return vs.only_zombies(pid)
 
 
 def test_context_manager_starts_healthy_and_stops_gracefully(
