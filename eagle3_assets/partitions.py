@@ -19,12 +19,6 @@ def partition_key(index: int) -> str:
     return f"{index:0{KEY_WIDTH}d}"
 
 
-def partition_index(key: str) -> int:
-    if len(key) < KEY_WIDTH or not key.isdigit():
-        raise ValueError(f"partition key {key!r} is not a zero-padded number like '00000'")
-    return int(key)
-
-
 def partition_of(position: int, partition_size: int) -> str:
     return partition_key(position // partition_size)
 

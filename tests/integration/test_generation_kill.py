@@ -48,7 +48,7 @@ def _complete_lines(path: Path) -> int:
         return 0
 
 
-def test_acceptance2_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: Path) -> None:
+def test_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: Path) -> None:
     layout = DataLayout.at(tmp_path / "data")
     journal_path = layout.responses_in_progress_path(KEY)
     script = tmp_path / "child.py"

@@ -89,7 +89,7 @@ def expected_texts(prompt: PromptToGenerate, fake: FakeConfig, max_tokens: int) 
 @pytest.mark.parametrize(
     "server", [FakeConfig(token_rate=5000, median_tokens=60, hang_s=60, faults=ACCEPTANCE_FAULTS)], indirect=True
 )
-def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, layout: DataLayout) -> None:
+def test_mixed_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, layout: DataLayout) -> None:
     prompts = make_prompts(1000)
     logs: list[str] = []
     started = time.monotonic()
@@ -161,9 +161,7 @@ def test_every_fault_kind_is_retried_streaming_or_not(
 
 
 @pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=40, max_model_len=500)], indirect=True)
-def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(
-    server: FakeServerProcess, layout: DataLayout
-) -> None:
+def test_prompt_too_long_fails_once_with_the_server_message(server: FakeServerProcess, layout: DataLayout) -> None:
     prompts = make_prompts(98)
     long_text = "word " * 800
     prompts += [PromptToGenerate(f"long-{i}", [{"role": "user", "content": long_text + str(i)}]) for i in range(2)]
@@ -208,7 +206,7 @@ def shape_server(request: pytest.FixtureRequest) -> Iterator[tuple[FakeConfig, s
 
 @pytest.mark.parametrize("transport", ["openai", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_acceptance5_reasoning_shapes(
+def test_every_reasoning_field_shape_is_stored_as_reasoning_and_content(
     shape_server: tuple[FakeConfig, str], stream: bool, transport: str, layout: DataLayout
 ) -> None:
     fake, url = shape_server
