@@ -29,7 +29,7 @@ from support.operations import (
     initialize_storage,
     materialize_partitions,
     pipeline_env,
-    wait_for,
+    wait_for_backfill,
     write_prompts,
     write_workspace,
 )
@@ -144,17 +144,7 @@ def test_missing_only_backfill_status_and_sync_on_postgres(
             backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
             assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
 
-            def done() -> bool:
-                assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
-                runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-                return len(runs) == 2 and all(run.is_finished for run in runs)
-
-            try:
-                wait_for(done, 300, f"the runs of backfill {backfill_id}", interval_s=2)
-            except TimeoutError:
-                print((tmp_path / "daemon.log").read_text()[-5000:])
-                raise
-            runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+            runs = wait_for_backfill(instance, daemon, tmp_path / "daemon.log", backfill_id, runs=2)
             assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
             assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
             assert backfill.plan_missing(instance, downstream=False).empty

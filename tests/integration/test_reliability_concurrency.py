@@ -24,7 +24,7 @@ from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout, PartitionBusyError
-from support.common import child_env, make_resources, write_jsonl
+from support.common import child_env, make_resources, reaped, write_jsonl
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import journal_lines, make_prompts, quick_config, wait_for
 
@@ -57,14 +57,8 @@ def first_writer(tmp_path: Path, url: str, layout: DataLayout, key: str) -> Iter
         text=True,
         cwd=tmp_path,
     )
-    try:
+    with reaped(child):
         yield child
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
 
 
 def _dataset(tmp_path: Path, n: int) -> Path:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from eagle3_assets.storage import DataLayout
@@ -52,3 +56,29 @@ def error_chain(error: BaseException) -> str:
         parts.append(str(current))
         current = current.__cause__ or current.__context__
     return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def reaped(child: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``child``, killed and waited for (its stdout closed) however the block ends: no process outlives a test."""
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def sigkill_when(
+    child: subprocess.Popen[str], reached: Callable[[], bool], timeout_s: float, interval_s: float
+) -> None:
+    """SIGKILL ``child`` as soon as ``reached()``; fails with its output if it ends first or never gets there."""
+    deadline = time.monotonic() + timeout_s
+    while not reached():
+        assert child.poll() is None, child.communicate()[0]
+        assert time.monotonic() < deadline, "the child never got going"
+        time.sleep(interval_s)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)

@@ -142,3 +142,22 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interva
             return
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def wait_for_backfill(
+    instance: dg.DagsterInstance, daemon: subprocess.Popen[bytes], daemon_log: Path, backfill_id: str, runs: int
+) -> list[dg.DagsterRun]:
+    """The ``runs`` runs of a backfill once all have finished under ``daemon`` (its log printed on a timeout)."""
+    tags = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
+
+    def done() -> bool:
+        assert daemon.poll() is None, daemon_log.read_text()[-3000:]
+        found = instance.get_runs(tags)
+        return len(found) == runs and all(run.is_finished for run in found)
+
+    try:
+        wait_for(done, 300, f"the runs of backfill {backfill_id}", interval_s=2)
+    except TimeoutError:
+        print(daemon_log.read_text()[-5000:])
+        raise
+    return list(instance.get_runs(tags))
