@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -209,7 +209,6 @@ def draft_model(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets import plots
     from eagle3_assets.training import train_draft
 
     train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
@@ -221,6 +220,13 @@ def draft_model(
         )
     else:
         result = _train_under_pipes(context, data_store, train_keys, val_key, verifier.resolved_path(), core_config)
+    return dg.MaterializeResult(metadata=draft_model_metadata(result))
+
+
+def draft_model_metadata(result: "TrainResult") -> dict[str, Any]:
+    """The draft's materialization metadata: the run's extent, losses and acceptance estimates per epoch."""
+    from eagle3_assets import plots
+
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = metadata.table(
         (
@@ -236,34 +242,32 @@ def draft_model(
             ("val_acceptance_length", "float", "Acceptance length estimated from the per-step accuracies."),
         ],
     )
-    return dg.MaterializeResult(
-        metadata={
-            "epochs": result.epochs,
-            "epochs_run": result.epochs_run,
-            "ranks": result.ranks,
-            "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
-            "steps": result.steps,
-            "tokens_trained": result.tokens_trained,
-            "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
-            "val_loss_untrained": result.val_loss_untrained,
-            "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),
-            "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
-            "seconds": round(result.seconds, 1),
-            "seconds_per_step": round(result.seconds_per_step, 3),
-            # where the states came from (stored files or computed online) and the time split of this run
-            "hidden_states_source": result.hidden_states.get("source", "stored"),
-            "hidden_states_time_s": dg.MetadataValue.json(result.hidden_states),
-            "train_partitions": dg.MetadataValue.json(result.train_partitions),
-            "val_partition": result.val_partition,
-            "layer_ids": dg.MetadataValue.json(result.layer_ids),
-            "draft_vocab_size": result.draft_vocab_size,
-            "notes": dg.MetadataValue.json(result.notes),
-            "path": dg.MetadataValue.path(str(result.final_dir)),
-            "loss_per_epoch": per_epoch,
-            "loss_curve": dg.MetadataValue.md(
-                plots.lines_markdown(
-                    {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"
-                )
-            ),
-        }
-    )
+    return {
+        "epochs": result.epochs,
+        "epochs_run": result.epochs_run,
+        "ranks": result.ranks,
+        "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
+        "steps": result.steps,
+        "tokens_trained": result.tokens_trained,
+        "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
+        "val_loss_untrained": result.val_loss_untrained,
+        "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),
+        "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
+        "seconds": round(result.seconds, 1),
+        "seconds_per_step": round(result.seconds_per_step, 3),
+        # where the states came from (stored files or computed online) and the time split of this run
+        "hidden_states_source": result.hidden_states.get("source", "stored"),
+        "hidden_states_time_s": dg.MetadataValue.json(result.hidden_states),
+        "train_partitions": dg.MetadataValue.json(result.train_partitions),
+        "val_partition": result.val_partition,
+        "layer_ids": dg.MetadataValue.json(result.layer_ids),
+        "draft_vocab_size": result.draft_vocab_size,
+        "notes": dg.MetadataValue.json(result.notes),
+        "path": dg.MetadataValue.path(str(result.final_dir)),
+        "loss_per_epoch": per_epoch,
+        "loss_curve": dg.MetadataValue.md(
+            plots.lines_markdown(
+                {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"
+            )
+        ),
+    }

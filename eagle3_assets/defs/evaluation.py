@@ -1,6 +1,6 @@
 """``draft_evaluation``: the trained draft's acceptance in vLLM speculative decoding and offline, vs an untrained."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -145,7 +145,6 @@ def draft_evaluation(
     verifier: VerifierResource,
     evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets import plots
     from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
@@ -153,7 +152,15 @@ def draft_evaluation(
     options = evaluation_options(config, evaluation_servers, layout, verifier)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
-    metadata: dict = {
+    return dg.MaterializeResult(metadata=evaluation_metadata(report, layout))
+
+
+def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dict[str, Any]:
+    """The evaluation's materialization metadata: the table, acceptance and speed-up per draft, method and prompt
+    set, online vs offline agreement, and acceptance per draft position."""
+    from eagle3_assets import plots
+
+    metadata: dict[str, Any] = {
         "table": evaluation_table(report),
         "dagster/row_count": dg.MetadataValue.int(len(report.stats)),
         "report_markdown": dg.MetadataValue.md(report.markdown()),
@@ -195,4 +202,4 @@ def draft_evaluation(
                 "accepted / drafts",
             )
         )
-    return dg.MaterializeResult(metadata=metadata)
+    return metadata

@@ -1,5 +1,7 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
+from typing import Any
+
 import dagster as dg
 
 from eagle3_assets import settings
@@ -8,7 +10,7 @@ from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource, read_api_key
 from eagle3_assets.defs.responses import synthetic_responses
-from eagle3_assets.hidden_states.extract import HiddenStatesConfig
+from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
@@ -100,7 +102,6 @@ def hidden_states(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
-    from eagle3_assets import plots
     from eagle3_assets.hidden_states import (
         check_finite,
         check_one_per_ok_response,
@@ -116,40 +117,47 @@ def hidden_states(
     stage_config = hidden_states_config(config, verifier)
     result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
 
-    import polars as pl
-
-    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
     recorded = PartitionLineage.load(layout, "hidden_states", key)
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(recorded.data_version) if recorded else None,
-        metadata={
-            # one row per stored sample in the partition's index (the tensors are in safetensors files)
-            **parquet_table(result.index_path, result.samples, partitioned=True),
-            "stored": result.stored,
-            # how many samples keep a state file (all, unless built for online or hybrid training)
-            "samples_with_states": result.samples_with_states,
-            "skipped_existing": result.skipped_existing,
-            "failed_responses_excluded": result.failed_responses_excluded,
-            "truncated_at_max_seq_len": result.truncated,
-            "tokens": result.tokens,
-            "loss_tokens": result.loss_tokens,
-            "served_token_ids": result.served_token_ids,
-            "bytes": result.bytes,
-            "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
-            "tokens_per_s": round(result.tokens_per_s, 1),
-            "backend": stage_config.backend,
-            "seconds": round(result.seconds, 1),
-            "layer_ids": dg.MetadataValue.json(result.layer_ids),
-            "hidden_size": result.hidden_size,
-            "dtype": result.dtype,
-            "path": dg.MetadataValue.path(str(result.data_dir)),
-            "notes": dg.MetadataValue.json(result.notes),
-            "sequence_length_histogram": dg.MetadataValue.md(
-                plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
-            ),
-        },
+        metadata=hidden_states_metadata(result, key, stage_config.backend),
     )
     outcomes = {name: check(layout, key) for name, check in _CHECKS.items()}
     record_checks(layout, "hidden_states", key, {name: outcome.passed for name, outcome in outcomes.items()})
     for name, outcome in outcomes.items():
         yield check_result(name, outcome)
+
+
+def hidden_states_metadata(result: HiddenStatesResult, key: str, backend: str) -> dict[str, Any]:
+    """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths."""
+    import polars as pl
+
+    from eagle3_assets import plots
+
+    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
+    return {
+        # one row per stored sample in the partition's index (the tensors are in safetensors files)
+        **parquet_table(result.index_path, result.samples, partitioned=True),
+        "stored": result.stored,
+        # how many samples keep a state file (all, unless built for online or hybrid training)
+        "samples_with_states": result.samples_with_states,
+        "skipped_existing": result.skipped_existing,
+        "failed_responses_excluded": result.failed_responses_excluded,
+        "truncated_at_max_seq_len": result.truncated,
+        "tokens": result.tokens,
+        "loss_tokens": result.loss_tokens,
+        "served_token_ids": result.served_token_ids,
+        "bytes": result.bytes,
+        "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "backend": backend,
+        "seconds": round(result.seconds, 1),
+        "layer_ids": dg.MetadataValue.json(result.layer_ids),
+        "hidden_size": result.hidden_size,
+        "dtype": result.dtype,
+        "path": dg.MetadataValue.path(str(result.data_dir)),
+        "notes": dg.MetadataValue.json(result.notes),
+        "sequence_length_histogram": dg.MetadataValue.md(
+            plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
+        ),
+    }
