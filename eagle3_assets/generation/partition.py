@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import time
 from collections import Counter
@@ -32,8 +30,8 @@ from eagle3_assets.generation.run_parts import (
     previous_rows,
     request_model,
     run_async,
+    run_journaled,
     space_floor,
-    sync_loop,
 )
 from eagle3_assets.generation.transport import close_all, make_transports
 from eagle3_assets.storage import DataLayout
@@ -95,13 +93,7 @@ async def _generate(
             unhealthy=unhealthy,
             line_dir=line_dir,
         )
-        syncer = asyncio.get_running_loop().create_task(sync_loop(journal, config.fsync_interval_s))
-        try:
-            stats = await engine.run(todo)
-        finally:
-            syncer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await syncer
+        stats = await run_journaled(engine, todo, journal, config.fsync_interval_s)
     finally:
         await close_all(transports)
     return stats, model

@@ -5,6 +5,7 @@ the journal's fsync loop, the disk-space floor, the superseded archive."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ import polars as pl
 
 from eagle3_assets import storage
 from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.generation.engine import EngineStats, preflight
+from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import FINGERPRINT_COLUMN
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
@@ -93,6 +94,17 @@ async def sync_loop(journal: Journal, interval: float) -> None:
         await asyncio.sleep(interval)
         # fsync in a worker thread: it can take a while on a busy disk and must not stall the pool
         await loop.run_in_executor(None, journal.sync)
+
+
+async def run_journaled(engine: Engine, todo: Sequence[PromptToGenerate], journal: Journal, interval_s: float) -> Any:
+    """``engine.run(todo)`` while the journal is fsynced every ``interval_s``."""
+    syncer = asyncio.get_running_loop().create_task(sync_loop(journal, interval_s))
+    try:
+        return await engine.run(todo)
+    finally:
+        syncer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await syncer
 
 
 async def _served_model(config: GenerationConfig, log: Log) -> str:

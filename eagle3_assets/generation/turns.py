@@ -18,8 +18,6 @@ turn it asked is. Finished turns are kept in ``_turns/<partition>.parquet`` besi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import itertools
 import re
@@ -242,7 +240,7 @@ async def _pool(
     line_dir: Path,
 ) -> EngineStats:
     """Run the first pending turn of every conversation; each ok turn queues the conversation's next one."""
-    from eagle3_assets.generation.run_parts import sync_loop
+    from eagle3_assets.generation.run_parts import run_journaled
 
     transports = make_transports(config)
     engine: Engine | None = None
@@ -262,13 +260,7 @@ async def _pool(
             config, model, transports, on_finished, partition_key=partition_key, log=log, progress_prefix=prefix,
             unhealthy=unhealthy, line_dir=line_dir,
         )  # fmt: skip
-        syncer = asyncio.get_running_loop().create_task(sync_loop(journal, config.fsync_interval_s))
-        try:
-            return await engine.run(todo)
-        finally:
-            syncer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await syncer
+        return await run_journaled(engine, todo, journal, config.fsync_interval_s)  # type: ignore[no-any-return]
     finally:
         await close_all(transports)
 
