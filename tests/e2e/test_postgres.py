@@ -5,7 +5,6 @@ backfill of two partitions through ``dagster-daemon``, then ``eagle3 status`` an
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
@@ -20,16 +19,14 @@ import pytest
 
 from eagle3_assets import cli
 from eagle3_assets.local.vllm_server import find_free_port
-from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
+    backfill_missing_through_daemon,
     dagster_daemon,
     initialize_storage,
-    materialize_partitions,
     pipeline_env,
-    wait_for_backfill,
     write_prompts,
     write_workspace,
 )
@@ -138,16 +135,15 @@ def test_missing_only_backfill_status_and_sync_on_postgres(
             dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
             dg.DagsterInstance.get() as instance,
         ):
-            materialize_partitions(instance, layout, dataset, 4, server.base_url, ok=["00000"], failed=["00001"])
-            capsys.readouterr()
-            assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
-            backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
-            assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
-
-            runs = wait_for_backfill(instance, daemon, tmp_path / "daemon.log", backfill_id, runs=2)
-            assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
-            assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
-            assert backfill.plan_missing(instance, downstream=False).empty
+            backfill_missing_through_daemon(
+                instance,
+                daemon,
+                tmp_path / "daemon.log",
+                layout,
+                dataset,
+                server.base_url,
+                lambda: capsys.readouterr().out,
+            )
         capsys.readouterr()
         assert cli.main(["status"]) == 0
         assert "summary: 3 both" in capsys.readouterr().out

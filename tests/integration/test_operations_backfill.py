@@ -13,12 +13,12 @@ from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
+    backfill_missing_through_daemon,
     dagster_daemon,
     initialize_storage,
     make_dagster_home,
     materialize_partitions,
     pipeline_env,
-    wait_for_backfill,
     write_prompts,
     write_workspace,
 )
@@ -101,16 +101,15 @@ def test_backfill_runs_through_the_daemon(tmp_path: Path, monkeypatch: pytest.Mo
             dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
             dg.DagsterInstance.get() as instance,
         ):
-            materialize_partitions(instance, layout, dataset, 4, server.base_url, ok=["00000"], failed=["00001"])
-            capsys.readouterr()  # drop the runs' output
-            assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
-            backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
-            assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
-
-            runs = wait_for_backfill(instance, daemon, tmp_path / "daemon.log", backfill_id, runs=2)
-            assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
-            assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
-            assert backfill.plan_missing(instance, downstream=False).empty
+            backfill_id = backfill_missing_through_daemon(
+                instance,
+                daemon,
+                tmp_path / "daemon.log",
+                layout,
+                dataset,
+                server.base_url,
+                lambda: capsys.readouterr().out,
+            )
             stored = instance.get_backfill(backfill_id)
             assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
     assert sorted(layout.partition_files("synthetic_responses")) == ["00000", "00001", "00002"]

@@ -3,6 +3,7 @@ server, a failed partition, and a dagster-daemon subprocess. No tests here."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -161,3 +162,29 @@ def wait_for_backfill(
         print(daemon_log.read_text()[-5000:])
         raise
     return list(instance.get_runs(tags))
+
+
+def backfill_missing_through_daemon(
+    instance: dg.DagsterInstance,
+    daemon: subprocess.Popen[bytes],
+    daemon_log: Path,
+    layout: DataLayout,
+    dataset: Path,
+    base_url: str,
+    read_output: Callable[[], str],
+) -> str:
+    """Partition 00000 ok, 00001 failed, 00002 missing (of 12 prompts, 4 a partition): ``eagle3 backfill --missing``
+    launches one backfill that the daemon runs to exactly 00001 and 00002, both successful. Returns its id."""
+    from eagle3_assets import cli
+    from eagle3_assets.operations import backfill
+
+    materialize_partitions(instance, layout, dataset, 4, base_url, ok=["00000"], failed=["00001"])
+    read_output()  # drop the runs' output
+    assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
+    backfill_id = json.loads(read_output())["backfill_id"]
+    assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
+    runs = wait_for_backfill(instance, daemon, daemon_log, backfill_id, runs=2)
+    assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
+    assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
+    assert backfill.plan_missing(instance, downstream=False).empty
+    return backfill_id
