@@ -13,7 +13,7 @@ import polars as pl
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.common import child_env, reaped, sigkill_when
+from support.common import child_env, journal_lines, reaped, sigkill_when
 from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00003"
@@ -40,13 +40,6 @@ def make_prompts(n: int) -> list[PromptToGenerate]:
     return [PromptToGenerate(f"kill-{i:05d}", [{"role": "user", "content": f"kill test prompt {i}"}]) for i in range(n)]
 
 
-def _complete_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def test_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: Path) -> None:
     layout = DataLayout.at(tmp_path / "data")
     journal_path = layout.responses_in_progress_path(KEY)
@@ -66,7 +59,7 @@ def test_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: P
             text=True,
         )
         with reaped(child):
-            sigkill_when(child, lambda: _complete_lines(journal_path) >= 300, timeout_s=60, interval_s=0.01)
+            sigkill_when(child, lambda: journal_lines(journal_path) >= 300, timeout_s=60, interval_s=0.01)
         assert child.returncode == -signal.SIGKILL
         assert not layout.responses_path(KEY).exists()  # killed before the end: no final file
 

@@ -19,7 +19,7 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.generation.turns import turns_store_path
 from eagle3_assets.storage import DataLayout
-from support.common import child_env, reaped, sigkill_when
+from support.common import child_env, journal_lines, reaped, sigkill_when
 from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00025"
@@ -59,13 +59,6 @@ def make_prompts() -> list[PromptToGenerate]:
     ]
 
 
-def _lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(tmp_path: Path) -> None:
     layout = DataLayout.at(tmp_path / "data")
     journal_path = layout.responses_in_progress_path(KEY)
@@ -79,7 +72,7 @@ def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(
             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         with reaped(child):
-            sigkill_when(child, lambda: _lines(journal_path) >= 90, timeout_s=60, interval_s=0.005)
+            sigkill_when(child, lambda: journal_lines(journal_path) >= 90, timeout_s=60, interval_s=0.005)
         assert child.returncode == -signal.SIGKILL
         before = server.stats()
         contents = read_journal(journal_path)

@@ -37,6 +37,14 @@ def write_jsonl(path: Path, rows: Iterable[object]) -> Path:
     return path
 
 
+def journal_lines(path: Path) -> int:
+    """Complete lines of a journal (0 before it exists)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
 def make_resources(layout: DataLayout, prompts_path: Path, partition_size: int = 1000, **extra: object) -> dict:
     from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
-from support.common import child_env, reaped
+from support.common import child_env, journal_lines, reaped  # noqa: F401 (journal_lines: tests import it from here)
 from support.fake_vllm import FakeConfig, config_to_args, get_json, post_json, prompt_key
 
 
@@ -119,13 +119,6 @@ def restartable_server(config: FakeConfig) -> Iterator[RestartableServer]:
         yield server
     finally:
         server.crash()
-
-
-def journal_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.01) -> None:

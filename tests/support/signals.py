@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from support.common import child_env
+from support.common import child_env, journal_lines  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
 # The bound: a run stops within 30 s of the signal (the code aims at a few seconds).
@@ -169,13 +169,6 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, within_s: float = S
     print(f"{signal.Signals(sig).name}: exited with {code} after {seconds:.1f} s")  # shown with pytest -s
     time.sleep(0.5)  # a child ended by the process's own cleanup may take a moment to be reaped
     return Stopped(code, seconds, alive(tree | descendants(proc.pid)))
-
-
-def journal_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 class HangingServer:
