@@ -20,13 +20,12 @@ import pytest
 
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.engine import Engine
 from eagle3_assets.generation.journal import Journal, read_journal
 from eagle3_assets.generation.replies import Completion
 from eagle3_assets.storage import DataLayout
-from support.common import error_chain, make_resources, write_jsonl
+from support.common import error_chain, make_resources, materialize_responses, write_jsonl
 from support.fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 
 KEY = "00000"
@@ -148,12 +147,10 @@ def test_a_key_refused_mid_run_fails_the_asset_so_nothing_is_materialized(
         resources = make_resources(layout, dataset, partition_size=30, inference_server=server)
         assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
         with pytest.raises(Exception) as caught:
-            dg.materialize(
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key=KEY,
-                instance=instance,
-                resources=resources,
+            materialize_responses(
+                KEY,
+                instance,
+                resources,
             )
     assert "refused the API key mid-run (HTTP 403" in error_chain(caught.value)
     assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None

@@ -17,10 +17,9 @@ import pytest
 from eagle3_assets import settings
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.storage import DataLayout
-from support.common import child_env, error_chain, make_resources, write_jsonl
+from support.common import child_env, error_chain, make_resources, materialize_responses, write_jsonl
 from support.fake_vllm import FakeConfig, get_json, serve_in_thread
 from support.reliability import closed_port_url, make_prompts, quick_config
 
@@ -103,12 +102,10 @@ def test_bad_inference_settings_fail_the_run_before_any_request(
             with pytest.raises(settings.ConfigError) as raised:
                 RemoteVLLMResource(**{"base_url": base_url, **overrides})
             assert expected in str(raised.value), overrides
-            result = dg.materialize(  # the launchpad path: the run fails before any request
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key="00000",
-                instance=instance,
-                resources=good,
+            result = materialize_responses(  # the launchpad path: the run fails before any request
+                "00000",
+                instance,
+                good,
                 raise_on_error=False,
                 run_config={"resources": {"inference_server": {"config": overrides}}},
             )
@@ -140,12 +137,10 @@ def test_unreachable_server_through_dagster_fails_the_run_naming_the_url(
     )
     assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
     with pytest.raises(Exception) as raised:
-        dg.materialize(
-            [raw_prompts, synthetic_responses],
-            selection=[synthetic_responses],
-            partition_key="00000",
-            instance=instance,
-            resources=resources,
+        materialize_responses(
+            "00000",
+            instance,
+            resources,
         )
     assert url in error_chain(raised.value)
     assert not layout.responses_in_progress_path("00000").exists()

@@ -18,8 +18,7 @@ from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.registry import default_resources, env_value, settings_classes, settings_markdown
-from eagle3_assets.defs.responses import synthetic_responses
-from support.common import write_jsonl
+from support.common import materialize_responses, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,12 +44,10 @@ def test_bad_env_value_loads_the_location_and_fails_only_the_run_that_uses_it(
     defs = build_definitions()  # loads although EAGLE3_CONCURRENCY is bad
     assert defs.resources["inference_server"].concurrency == 128
     assert dg.materialize([raw_prompts], instance=instance, resources=defs.resources).success  # does not use it
-    result = dg.materialize(
-        [raw_prompts, synthetic_responses],
-        selection=[synthetic_responses],
-        partition_key="00000",
-        instance=instance,
-        resources=defs.resources,
+    result = materialize_responses(
+        "00000",
+        instance,
+        defs.resources,
         raise_on_error=False,
     )
     assert not result.success

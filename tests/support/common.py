@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets.storage import DataLayout
 
@@ -53,6 +54,24 @@ def make_resources(layout: DataLayout, prompts_path: Path, partition_size: int =
         "prompt_dataset": PromptDatasetResource(path=str(prompts_path), partition_size=partition_size),
         **extra,
     }
+
+
+def materialize_responses(key: str, instance: Any, resources: dict, **options: Any) -> Any:
+    """``synthetic_responses`` of partition ``key`` (with ``raw_prompts`` as its upstream) through ``dg.materialize``;
+    ``options`` are dg.materialize's (``raise_on_error``, ``run_config``)."""
+    import dagster as dg
+
+    from eagle3_assets.defs.prompts import raw_prompts
+    from eagle3_assets.defs.responses import synthetic_responses
+
+    return dg.materialize(
+        [raw_prompts, synthetic_responses],
+        selection=[synthetic_responses],
+        partition_key=key,
+        instance=instance,
+        resources=resources,
+        **options,
+    )
 
 
 def error_chain(error: BaseException) -> str:

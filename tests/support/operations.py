@@ -17,7 +17,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle3_assets.storage import DataLayout
-from support.common import REPO_ROOT, make_resources, write_jsonl
+from support.common import REPO_ROOT, make_resources, materialize_responses, write_jsonl
 
 
 def make_dagster_home(root: Path) -> Path:
@@ -66,7 +66,6 @@ def materialize_partitions(
     """raw_prompts, then ``ok`` partitions against the server and ``failed`` ones against a dead port."""
     from eagle3_assets.defs.inference import RemoteVLLMResource
     from eagle3_assets.defs.prompts import raw_prompts
-    from eagle3_assets.defs.responses import synthetic_responses
 
     def resources(url: str) -> dict:
         server = RemoteVLLMResource(base_url=url, concurrency=8, max_attempts=1, request_timeout_s=5)
@@ -75,12 +74,10 @@ def materialize_partitions(
     if with_raw_prompts:
         assert dg.materialize([raw_prompts], instance=instance, resources=resources(base_url)).success
     for key, url in [(k, base_url) for k in ok] + [(k, "http://127.0.0.1:9/v1") for k in failed]:
-        result = dg.materialize(
-            [raw_prompts, synthetic_responses],
-            selection=[synthetic_responses],
-            partition_key=key,
-            instance=instance,
-            resources=resources(url),
+        result = materialize_responses(
+            key,
+            instance,
+            resources(url),
             raise_on_error=False,
         )
         assert result.success == (key in ok), f"partition {key}: success={result.success}"
