@@ -24,7 +24,6 @@ from support.common import REPO_ROOT
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     backfill_missing_through_daemon,
-    dagster_daemon,
     initialize_storage,
     pipeline_env,
     write_prompts,
@@ -131,19 +130,7 @@ def test_missing_only_backfill_status_and_sync_on_postgres(
             assert type(instance.run_storage).__name__ == "PostgresRunStorage"
             assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
             initialize_storage(instance)
-        with (
-            dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
-            dg.DagsterInstance.get() as instance,
-        ):
-            backfill_missing_through_daemon(
-                instance,
-                daemon,
-                tmp_path / "daemon.log",
-                layout,
-                dataset,
-                server.base_url,
-                lambda: capsys.readouterr().out,
-            )
+        backfill_missing_through_daemon(workspace, env, layout, dataset, server.base_url, capsys)
         capsys.readouterr()
         assert cli.main(["status"]) == 0
         assert "summary: 3 both" in capsys.readouterr().out

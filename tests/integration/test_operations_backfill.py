@@ -14,7 +14,6 @@ from eagle3_assets.storage import DataLayout
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     backfill_missing_through_daemon,
-    dagster_daemon,
     initialize_storage,
     make_dagster_home,
     materialize_partitions,
@@ -97,21 +96,7 @@ def test_backfill_runs_through_the_daemon(tmp_path: Path, monkeypatch: pytest.Mo
         # instance's SQLite schemas are created before it (two processes creating them at once collide).
         with dg.DagsterInstance.get() as instance:
             initialize_storage(instance)
-        with (
-            dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
-            dg.DagsterInstance.get() as instance,
-        ):
-            backfill_id = backfill_missing_through_daemon(
-                instance,
-                daemon,
-                tmp_path / "daemon.log",
-                layout,
-                dataset,
-                server.base_url,
-                lambda: capsys.readouterr().out,
-            )
-            stored = instance.get_backfill(backfill_id)
-            assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
+        backfill_missing_through_daemon(workspace, env, layout, dataset, server.base_url, capsys)
     assert sorted(layout.partition_files("synthetic_responses")) == ["00000", "00001", "00002"]
 
     # DAGSTER_HOME lost: a fresh instance sees every partition as missing until `eagle3 sync` records the files.

@@ -86,7 +86,7 @@ def error_chain(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def reaped(child: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+def reaped(child: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
     """``child``, killed and waited for (its stdout closed) however the block ends: no process outlives a test."""
     try:
         yield child
@@ -99,7 +99,7 @@ def reaped(child: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
 
 
 def sigkill_when(
-    child: subprocess.Popen[str], reached: Callable[[], bool], timeout_s: float, interval_s: float
+    child: subprocess.Popen[Any], reached: Callable[[], bool], timeout_s: float, interval_s: float
 ) -> None:
     """SIGKILL ``child`` as soon as ``reached()``; fails with its output if it ends first or never gets there."""
     deadline = time.monotonic() + timeout_s

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -162,26 +163,25 @@ def wait_for_backfill(
 
 
 def backfill_missing_through_daemon(
-    instance: dg.DagsterInstance,
-    daemon: subprocess.Popen[bytes],
-    daemon_log: Path,
-    layout: DataLayout,
-    dataset: Path,
-    base_url: str,
-    read_output: Callable[[], str],
+    workspace: Path, env: dict[str, str], layout: DataLayout, dataset: Path, base_url: str, capsys: Any
 ) -> str:
-    """Partition 00000 ok, 00001 failed, 00002 missing (of 12 prompts, 4 a partition): ``eagle3 backfill --missing``
-    launches one backfill that the daemon runs to exactly 00001 and 00002, both successful. Returns its id."""
+    """With ``dagster-daemon`` running over ``workspace`` (its log beside it): partition 00000 ok, 00001 failed,
+    00002 missing (12 prompts, 4 a partition); ``eagle3 backfill --missing`` launches one backfill that the daemon
+    runs to exactly 00001 and 00002, both successful. Returns the backfill's id."""
     from eagle3_assets import cli
     from eagle3_assets.operations import backfill
 
-    materialize_partitions(instance, layout, dataset, 4, base_url, ok=["00000"], failed=["00001"])
-    read_output()  # drop the runs' output
-    assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
-    backfill_id = json.loads(read_output())["backfill_id"]
-    assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
-    runs = wait_for_backfill(instance, daemon, daemon_log, backfill_id, runs=2)
-    assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
-    assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
-    assert backfill.plan_missing(instance, downstream=False).empty
+    log = workspace.parent / "daemon.log"
+    with dagster_daemon(workspace, env, log) as daemon, dg.DagsterInstance.get() as instance:
+        materialize_partitions(instance, layout, dataset, 4, base_url, ok=["00000"], failed=["00001"])
+        capsys.readouterr()  # drop the runs' output
+        assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
+        backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
+        assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
+        runs = wait_for_backfill(instance, daemon, log, backfill_id, runs=2)
+        assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
+        assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
+        assert backfill.plan_missing(instance, downstream=False).empty
+        stored = instance.get_backfill(backfill_id)
+        assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
     return backfill_id

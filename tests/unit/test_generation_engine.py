@@ -3,6 +3,7 @@ several endpoints, API keys (issue 3, acceptance 1, 3 and 5)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -31,6 +32,9 @@ KEY = "00000"
 ACCEPTANCE_FAULTS = {"error_500": 0.05, "error_429": 0.02, "reset": 0.02, "hang": 0.01, "truncate": 0.01}
 # every fault kind the fake server injects: the acceptance rates plus 2% of each bad-body kind
 EVERY_FAULT = {**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02}
+EVERY_FAULT_SERVER = FakeConfig(
+    token_rate=5000, median_tokens=40, hang_s=60, stream_interval_s=0.01, faults=EVERY_FAULT
+)
 
 
 def make_prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
@@ -122,15 +126,7 @@ def test_mixed_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, la
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "server",
-    [
-        FakeConfig(
-            token_rate=5000,
-            median_tokens=40,
-            hang_s=60,
-            stream_interval_s=0.01,
-            faults=EVERY_FAULT,
-        )
-    ],
+    [EVERY_FAULT_SERVER],
     indirect=True,
 )
 def test_every_fault_kind_is_retried_streaming_or_not(
@@ -374,16 +370,7 @@ def test_api_key_is_sent_and_never_written(server: FakeServerProcess, layout: Da
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "server",
-    [
-        FakeConfig(
-            token_rate=5000,
-            median_tokens=40,
-            hang_s=60,
-            max_model_len=300,
-            stream_interval_s=0.01,
-            faults=EVERY_FAULT,
-        )
-    ],
+    [dataclasses.replace(EVERY_FAULT_SERVER, max_model_len=300)],
     indirect=True,
 )
 def test_aiohttp_transport_has_the_same_semantics(server: FakeServerProcess, layout: DataLayout, stream: bool) -> None:
