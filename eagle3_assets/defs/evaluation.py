@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from eagle3_assets import settings
 from eagle3_assets.defs.resources import (
     DataStoreResource,
     EvaluationServersResource,
@@ -66,28 +67,24 @@ def evaluation_options(
     """The core's EvaluationOptions from the asset's run config, the evaluation servers and the verifier resource
     (its reasoning parser and device; None: their defaults)."""
     verifier = verifier or VerifierResource()
-    return EvaluationOptions(
-        k=config.k,
-        online=config.online,
-        offline=config.offline,
+    online_config = settings.core_config(  # same-named fields by name (k is the options' too)
+        OnlineConfig,
+        config,
+        prompt_sets=tuple(servers.prompt_set_list()),
+        reasoning_parser=verifier.reasoning_parser,
+        plain_url=servers.plain_url.strip().rstrip("/") or None,
+        draft_url=servers.draft_url.strip().rstrip("/") or None,
+        served_model_name=servers.served_model_name or None,
+        api_key=servers.api_key(),
+        log_dir=layout.evaluation_dir / "_logs",
+    )
+    return settings.core_config(
+        EvaluationOptions,
+        config,
         untrained=config.untrained_baseline,
         partition=config.partition or None,
-        offline_max_samples=config.offline_max_samples,
         device=verifier.device,
-        online_config=OnlineConfig(
-            prompts=config.prompts,
-            humaneval_prompts=config.humaneval_prompts,
-            max_tokens=config.max_tokens,
-            concurrency=config.concurrency,
-            speed_prompts=config.speed_prompts,
-            prompt_sets=tuple(servers.prompt_set_list()),
-            reasoning_parser=verifier.reasoning_parser,
-            plain_url=servers.plain_url.strip().rstrip("/") or None,
-            draft_url=servers.draft_url.strip().rstrip("/") or None,
-            served_model_name=servers.served_model_name or None,
-            api_key=servers.api_key(),
-            log_dir=layout.evaluation_dir / "_logs",
-        ),
+        online_config=online_config,
     )
 
 
