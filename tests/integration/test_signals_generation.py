@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import dagster as dg
-import polars as pl
 import pytest
 
 from eagle3_assets.generation.journal import read_journal
@@ -21,6 +20,7 @@ from support.signals import (
     log_text,
     make_pipeline,
     materialize_command,
+    resume_requests_only_the_rest,
     run,
     signal_and_wait,
     start,
@@ -61,12 +61,5 @@ def test_a_generating_run_stops_on_a_signal_keeps_its_rows_and_resumes(tmp_path:
             runs = instance.get_runs()
             assert runs and runs[0].status == dg.DagsterRunStatus.FAILURE
 
-        server.reset_stats()
-        assert run(pipeline, materialize_command("synthetic_responses", KEY), "resume") == 0, log_text(
-            pipeline, "resume"
-        )
-        requested = server.stats()["total_requests"]
-    frame = pl.read_parquet(layout.responses_path(KEY))
-    assert frame.height == PROMPTS and set(frame["status"]) == {"ok"}
-    assert requested == PROMPTS - len(kept)  # the resume asked only for what was not journaled
-    assert f"{len(kept)} already ok on disk" in log_text(pipeline, "resume")
+        resumed = resume_requests_only_the_rest(pipeline, server, KEY, PROMPTS, len(kept))
+    assert f"{len(kept)} already ok on disk" in resumed

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from support.common import child_env, journal_lines  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
@@ -216,3 +217,18 @@ class HangingServer:
         self._release.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+def resume_requests_only_the_rest(pipeline: Pipeline, server: Any, key: str, prompts: int, kept: int) -> str:
+    """Re-materializing ``synthetic_responses`` partition ``key`` after a stopped run asks ``server`` only for the
+    ``prompts - kept`` samples not journaled and completes the partition; returns the resume's log."""
+    import polars as pl
+
+    from eagle3_assets.storage import DataLayout
+
+    server.reset_stats()
+    assert run(pipeline, materialize_command("synthetic_responses", key), "resume") == 0, log_text(pipeline, "resume")
+    assert server.stats()["total_requests"] == prompts - kept  # the resume asked only for what was not journaled
+    frame = pl.read_parquet(DataLayout.at(pipeline.data_dir).responses_path(key))
+    assert frame.height == prompts and set(frame["status"]) == {"ok"}
+    return log_text(pipeline, "resume")
