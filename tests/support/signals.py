@@ -172,6 +172,13 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, within_s: float = S
     return Stopped(code, seconds, alive(tree | descendants(proc.pid)))
 
 
+def assert_stopped(stopped: Stopped, output: str, what: str) -> None:
+    """The run ended, non-zero, within STOP_WITHIN_S of ``what`` (a signal) and left no process behind."""
+    assert stopped.code is not None, f"still running {STOP_WITHIN_S:.0f} s after {what}:\n{output[-3000:]}"
+    assert stopped.code != 0 and stopped.seconds < STOP_WITHIN_S, output[-3000:]
+    assert not stopped.left_behind, f"processes left running: {stopped.left_behind}"
+
+
 class HangingServer:
     """An OpenAI-compatible server that lists one model and never answers a POST (a stuck extraction server):
     ``with HangingServer("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
