@@ -18,6 +18,7 @@ from support.operations import (
     make_dagster_home,
     materialize_partitions,
     pipeline_env,
+    sync_records_what_is_on_disk,
     write_prompts,
     write_workspace,
 )
@@ -102,9 +103,4 @@ def test_backfill_runs_through_the_daemon(tmp_path: Path, monkeypatch: pytest.Mo
     # DAGSTER_HOME lost: a fresh instance sees every partition as missing until `eagle3 sync` records the files.
     fresh = make_dagster_home(tmp_path / "new")
     monkeypatch.setenv("DAGSTER_HOME", str(fresh))
-    assert cli.main(["sync"]) == 0
-    assert "4 recorded" in capsys.readouterr().out  # raw_prompts and the 3 partitions
-    assert cli.main(["backfill", "--missing", "--no-downstream", "--dry-run"]) == 0
-    assert "nothing missing or failed among 3 partitions" in capsys.readouterr().out
-    assert cli.main(["status"]) == 0
-    assert "summary: 3 both" in capsys.readouterr().out
+    sync_records_what_is_on_disk(capsys)

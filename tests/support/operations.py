@@ -185,3 +185,16 @@ def backfill_missing_through_daemon(
         stored = instance.get_backfill(backfill_id)
         assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
     return backfill_id
+
+
+def sync_records_what_is_on_disk(capsys: Any) -> None:
+    """With DAGSTER_HOME pointing at an empty instance: ``eagle3 sync`` records raw_prompts and the 3 partitions on
+    disk, after which nothing is missing and ``eagle3 status`` finds disk and Dagster agreeing."""
+    from eagle3_assets import cli
+
+    assert cli.main(["sync"]) == 0
+    assert "4 recorded" in capsys.readouterr().out  # raw_prompts and the 3 partitions
+    assert cli.main(["backfill", "--missing", "--no-downstream", "--dry-run"]) == 0
+    assert "nothing missing or failed among 3 partitions" in capsys.readouterr().out
+    assert cli.main(["status"]) == 0
+    assert "summary: 3 both" in capsys.readouterr().out
