@@ -39,6 +39,16 @@ from support.reliability import closed_port_url, make_prompts, quick_config
         ("EAGLE3_MAX_REJECT_SHARE", "2", "between 0 and 1"),
         ("EAGLE3_REQUEST_TIMEOUT_S", "nan", "must be a positive number"),
         ("EAGLE3_STREAM", "maybe", "must be true or false"),
+        ("EAGLE3_TEMPERATURE", "-1", "must be a number >= 0 (or empty)"),
+        ("EAGLE3_TRANSPORT", "pigeon", "must be 'openai' or 'aiohttp'"),
+        ("EAGLE3_EXTRA_BODY", "[1]", "must be a JSON object"),
+        ("EAGLE3_LAYER_IDS", "1,x", "comma-separated integers"),
+        ("EAGLE3_DATA_DIR", "  ", "must not be empty"),
+        ("EAGLE3_REQUEST_TIMEOUT_S", "inf", "must be a positive number"),
+        ("EAGLE3_HIDDEN_STATES_BACKEND", "trt", "must be 'hf' or 'vllm'"),
+        ("EAGLE3_DEVICE", "gpu0", "must be auto, cpu, cuda or cuda:N"),
+        ("EAGLE3_HIDDEN_STATES_URL", "hs-0:8000", "is not an http"),
+        ("EAGLE3_TRAIN_PROCS", "0", "must be a positive integer"),
     ],
 )
 def test_bad_environment_values_name_the_key(key: str, value: str, why: str) -> None:
