@@ -16,16 +16,8 @@ from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import (
-    FakeConfig,
-    FakeServerProcess,
-    prompt_key,
-    prompt_token_ids,
-    prompt_tokens,
-    response_length,
-    token_ids,
-    token_text,
-)
+from support import fake_responses as served
+from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import quick_config
 
 KEY = "00000"
@@ -73,10 +65,10 @@ def read_rows(layout: DataLayout) -> pl.DataFrame:
 
 def expected_texts(prompt: PromptToGenerate, fake: FakeConfig, max_tokens: int) -> tuple[str, str, int, str]:
     messages = [dict(m) for m in prompt.messages]
-    n, finish = response_length(messages, fake, max_tokens)
+    n, finish = served.response_length(messages, fake, max_tokens)
     k = int(n * fake.reasoning_share)
-    key = prompt_key(messages)
-    return token_text(key, 0, k), token_text(key, k, n - k), n, finish
+    key = served.prompt_key(messages)
+    return served.token_text(key, 0, k), served.token_text(key, k, n - k), n, finish
 
 
 # ------------------------------------------------------------------------------------ acceptance 1
@@ -168,7 +160,7 @@ def test_prompt_too_long_fails_once_with_the_server_message(server: FakeServerPr
         assert row["attempts"] == 1 and row["content"] is None
     requests = server.stats()["requests"]
     for prompt in prompts[-2:]:
-        assert requests[prompt_key([dict(m) for m in prompt.messages])] == 1  # not retried
+        assert requests[served.prompt_key([dict(m) for m in prompt.messages])] == 1  # not retried
     check = error_rate_check(layout.responses_path(KEY), max_error_rate=0.01)
     assert not check.passed and check.metadata["failed"] == 2
     assert "maximum context length" in next(iter(check.metadata["top_errors"]))
@@ -214,10 +206,10 @@ def test_every_reasoning_field_shape_is_stored_as_reasoning_and_content(
         assert (row["finish_reason"], row["completion_tokens"]) == (finish, n)
         assert row["messages"] == [dict(m) for m in prompt.messages]
         # vLLM's return_token_ids, assembled across stream chunks: the exact served tokens, in order
-        key = prompt_key([dict(m) for m in prompt.messages])
-        assert row["completion_token_ids"] == token_ids(key, 0, n)
-        n_prompt = prompt_tokens([dict(m) for m in prompt.messages])
-        assert row["prompt_token_ids"] == prompt_token_ids(key, n_prompt) and row["prompt_tokens"] == n_prompt
+        key = served.prompt_key([dict(m) for m in prompt.messages])
+        assert row["completion_token_ids"] == served.token_ids(key, 0, n)
+        n_prompt = served.prompt_tokens([dict(m) for m in prompt.messages])
+        assert row["prompt_token_ids"] == served.prompt_token_ids(key, n_prompt) and row["prompt_tokens"] == n_prompt
         truncated += finish == "length"
     assert result.truncated == truncated
 
@@ -275,7 +267,7 @@ def test_resume_requests_only_missing_and_failed_samples(server: FakeServerProce
     assert (result.resumed, result.requested, result.ok) == (30, 70, 100)
     assert result.torn_bytes_dropped > 0 and any("torn last line" in line for line in logs)
     requested = server.stats()["requests"]
-    expected_keys = {prompt_key([dict(m) for m in p.messages]) for p in prompts[30:]}
+    expected_keys = {served.prompt_key([dict(m) for m in p.messages]) for p in prompts[30:]}
     assert set(requested) == expected_keys and set(requested.values()) == {1}
     final = read_rows(layout)
     assert final.height == 100 and final["sample_id"].n_unique() == 100
