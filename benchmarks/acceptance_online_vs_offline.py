@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write report.json/report.md there")
     args = parser.parse_args(argv)
 
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.evaluation.evaluate import DEFAULT_TOLERANCE, EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.report import write_report

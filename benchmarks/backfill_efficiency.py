@@ -147,7 +147,7 @@ def run_backfill(paths: dict[str, Path], env: dict[str, str], partitions: int, t
     import dagster as dg
 
     from eagle3_assets.defs.prompts import raw_prompts
-    from eagle3_assets.defs.resources import default_resources
+    from eagle3_assets.defs.registry import default_resources
     from eagle3_assets.operations import backfill
 
     with dg.DagsterInstance.get() as instance:

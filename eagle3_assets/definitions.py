@@ -10,7 +10,7 @@ import dagster as dg
 
 from eagle3_assets.defs import ablation, draft, evaluation, hidden_states, prompts, responses
 from eagle3_assets.defs.automation import code_location_settings, with_automation
-from eagle3_assets.defs.resources import default_resources
+from eagle3_assets.defs.registry import default_resources
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:

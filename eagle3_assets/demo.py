@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv or []))
     import dagster as dg
 
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
 
     # bf16 compute where this CPU has it: hidden states and training ~2.6x faster, the demo's time goes to data
     real_env = {**REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(args.samples), "EAGLE3_PRECISION": fastest_cpu_precision()}
@@ -277,7 +277,7 @@ def _setup(
     timings.append(("verifier", "-", time.monotonic() - started))
     say(f"verifier: {verifier}")
     started = time.monotonic()
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.local.reasoning import describe
 
     # the real model: prompts up to EAGLE3_MAX_PROMPT_CHARS plus a 256-token answer fit 2,048 tokens

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets import storage
-from eagle3_assets.generation.fingerprint import digest
+from eagle3_assets.hashing import digest
 from eagle3_assets.storage import DataLayout
 
 logger = logging.getLogger(__name__)

@@ -19,26 +19,8 @@ def partition_key(index: int) -> str:
     return f"{index:0{KEY_WIDTH}d}"
 
 
-def partition_index(key: str) -> int:
-    if len(key) < KEY_WIDTH or not key.isdigit():
-        raise ValueError(f"partition key {key!r} is not a zero-padded number like '00000'")
-    return int(key)
-
-
 def partition_of(position: int, partition_size: int) -> str:
     return partition_key(position // partition_size)
-
-
-def partition_bounds(key: str, partition_size: int) -> tuple[int, int]:
-    """Half-open position range [start, end) of a partition."""
-    start = partition_index(key) * partition_size
-    return start, start + partition_size
-
-
-def partition_keys_for(num_positions: int, partition_size: int) -> list[str]:
-    """Keys for positions [0, num_positions): ceil(num_positions / size) partitions."""
-    count = -(-num_positions // partition_size)
-    return [partition_key(i) for i in range(count)]
 
 
 def assign_positions(

@@ -16,19 +16,20 @@ variable (if any) and an optional semantic check. From that one declaration come
 
 Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME",
 description=..., gt=0, ...)`` to the resource that uses it (or to a new ``SettingsResource`` subclass
-listed in ``defs/resources.py`` ``SETTINGS_RESOURCES``), read ``self.name`` where it is needed, and
+listed in ``defs/registry.py`` ``settings_resources()``), read ``self.name`` where it is needed, and
 regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError
@@ -336,7 +337,7 @@ def check_environ(cls: type, environ: Mapping[str, str] | None = None) -> None:
         raise errors[0]
 
 
-def env_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | None = None) -> Any:
+def effective_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | None = None) -> Any:
     """The effective value of one environment setting: the variable's (validated) value, else the default."""
     env = os.environ if environ is None else environ
     for cls in classes:
@@ -347,6 +348,22 @@ def env_value(classes: Iterable[type], key: str, environ: Mapping[str, str] | No
                     raise errors[0]
                 return values.get(field.name, field.default)
     raise KeyError(f"{key} is not a declared setting")
+
+
+Core = TypeVar("Core")
+
+
+def core_config(core: type[Core], source: object, **explicit: Any) -> Core:
+    """The core's config dataclass ``core`` from the settings declared on ``source`` (a resource or run config).
+
+    Every field of ``core`` that ``source``'s class declares as a setting of the same name is taken from
+    ``source``; ``explicit`` gives the others (values from another resource, or converted ones). A setting that
+    shares a core field's name declares its default as that field's (``setting(GenerationConfig.max_tokens, ...)``),
+    so each default is written once (``tests/unit/test_one_default.py``).
+    """
+    names = {f.name for f in dataclasses.fields(core)}  # type: ignore[arg-type]
+    shared = {f.name: getattr(source, f.name) for f in declared(type(source)) if f.name in names}
+    return core(**{**shared, **explicit})
 
 
 # ------------------------------------------------------------------------------------------ documentation

@@ -16,7 +16,7 @@ import pytest
 from eagle3_assets.storage import DataLayout
 
 # One session-scoped real vLLM server for every test that needs it.
-pytest_plugins = ["support.vllm_fixtures", "support.real_model"]
+pytest_plugins = ["support.vllm_fixtures", "support.real_model", "support.stand_in_vllm"]
 
 
 @pytest.fixture

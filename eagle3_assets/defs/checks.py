@@ -1,17 +1,11 @@
 """Turning the core modules' check outcomes (passed, description, metadata) into Dagster check results."""
 
-from typing import Any, Protocol
-
 import dagster as dg
 
-
-class Outcome(Protocol):
-    passed: bool
-    description: str
-    metadata: dict[str, Any]
+from eagle3_assets.check_outcome import CheckOutcome
 
 
-def check_result(check_name: str, outcome: Outcome) -> dg.AssetCheckResult:
+def check_result(check_name: str, outcome: CheckOutcome) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         check_name=check_name,
         passed=outcome.passed,

@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -11,12 +11,13 @@ from eagle3_assets.defs import metadata
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.settings import setting
+from eagle3_assets.training.config import LOSS_ON, TrainConfig
 
 if TYPE_CHECKING:
-    from eagle3_assets.training import TrainConfig, TrainResult
+    from eagle3_assets.training import TrainResult
 
 
-def _hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
+def hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
     from eagle3_assets.lineage import partitions_passing_checks
 
     # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
@@ -66,7 +67,7 @@ def vocab_mapping(
     from eagle3_assets.training import build_vocab_mapping
 
     verifier_config = json.loads((verifier.resolved_path() / "config.json").read_text())
-    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     result = build_vocab_mapping(
         data_store.layout, train_keys, config.draft_vocab_size, target_vocab_size=int(verifier_config["vocab_size"])
     )
@@ -91,63 +92,61 @@ def vocab_mapping(
 class DraftModelRunConfig(SettingsConfig):
     """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
 
-    epochs: int = setting(10, description="Training epochs.", gt=0)
-    lr: float = setting(1e-3, description="AdamW learning rate.", gt=0.0)
-    tokens_per_batch: int = setting(4096, description="Packed tokens per step.", gt=0)
-    ttt_steps: int = setting(3, description="Training-time-test steps (draft positions trained).", gt=0)
-    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    epochs: int = setting(TrainConfig.epochs, description="Training epochs.", gt=0)
+    lr: float = setting(TrainConfig.lr, description="AdamW learning rate.", gt=0.0)
+    tokens_per_batch: int = setting(TrainConfig.tokens_per_batch, description="Packed tokens per step.", gt=0)
+    ttt_steps: int = setting(
+        TrainConfig.ttt_steps, description="Training-time-test steps (draft positions trained).", gt=0
+    )
+    num_layers: int = setting(TrainConfig.num_layers, description="Draft decoder layers.", gt=0)
     val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
-    max_steps_per_epoch: int | None = setting(None, description="Cap on steps per epoch; empty: none.", gt=0)
+    max_steps_per_epoch: int | None = setting(
+        TrainConfig.max_steps_per_epoch, description="Cap on steps per epoch; empty: none.", gt=0
+    )
     max_val_batches: int | None = setting(
-        None, description="Validation batches per evaluation; empty: the whole held-out partition.", gt=0
+        TrainConfig.max_val_batches,
+        description="Validation batches per evaluation; empty: the whole held-out partition.",
+        gt=0,
     )
     init: str = setting(
-        "token_copy",
+        TrainConfig.init,
         description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
         check=settings.one_of("token_copy", "speculators"),
     )
     loss_on: str = setting(
-        "assistant",
+        TrainConfig.loss_on,
         description="Positions the training loss covers: `assistant` (the answers) or `all` (prompts too; the "
         "target is the verifier's own distribution everywhere, validation stays on the answers).",
-        check=settings.one_of("assistant", "all"),
+        check=settings.one_of(*LOSS_ON),
     )
-    num_threads: int | None = setting(None, description="Torch threads on CPU; empty: all cores but one.", gt=0)
+    num_threads: int | None = setting(
+        TrainConfig.num_threads, description="Torch threads on CPU; empty: all cores but one.", gt=0
+    )
     hidden_states_source: str = setting(
-        "stored",
+        TrainConfig.hidden_states_source,
         description="`stored` (the partitions' files), `online` (each batch's states computed while training by "
         "EAGLE3_HIDDEN_STATES_BACKEND, nothing stored; every epoch re-extracts) or `hybrid` (stored files, the rest "
         "online).",
         check=settings.one_of("stored", "online", "hybrid"),
     )
     prefetch_batches: int = setting(
-        2, description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).", gt=0
+        TrainConfig.prefetch_batches,
+        description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).",
+        gt=0,
     )
 
 
-def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> "TrainConfig":
-    """The core's TrainConfig from the asset's run config and the verifier resource."""
-    from eagle3_assets.training import TrainConfig
-
-    return TrainConfig(
-        epochs=config.epochs,
-        lr=config.lr,
-        tokens_per_batch=config.tokens_per_batch,
-        ttt_steps=config.ttt_steps,
-        num_layers=config.num_layers,
+def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> TrainConfig:
+    """The core's TrainConfig from the asset's run config (same-named fields) and the verifier resource."""
+    return settings.core_config(
+        TrainConfig,
+        config,
         device=verifier.device,
         precision=verifier.precision,
-        max_steps_per_epoch=config.max_steps_per_epoch,
-        max_val_batches=config.max_val_batches,
-        init=config.init,
-        loss_on=config.loss_on,
-        num_threads=config.num_threads,
         procs=verifier.train_procs,
-        hidden_states_source=config.hidden_states_source,
         online_backend=verifier.hidden_states_backend,
         online_urls=tuple(verifier.hidden_states_urls()),
         online_storage=verifier.hidden_states_storage or None,
-        prefetch_batches=config.prefetch_batches,
     )
 
 
@@ -216,10 +215,9 @@ def draft_model(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets import plots
     from eagle3_assets.training import train_draft
 
-    train_keys, val_key = split_partitions(_hidden_state_partitions(data_store), config.val_partition)
+    train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     core_config = train_config(config, verifier)
     if core_config.procs == 1:
         # one process: this one (no second interpreter paying the ~20 s speculators import)
@@ -228,6 +226,13 @@ def draft_model(
         )
     else:
         result = _train_under_pipes(context, data_store, train_keys, val_key, verifier.resolved_path(), core_config)
+    return dg.MaterializeResult(metadata=draft_model_metadata(result))
+
+
+def draft_model_metadata(result: "TrainResult") -> dict[str, Any]:
+    """The draft's materialization metadata: the run's extent, losses and acceptance estimates per epoch."""
+    from eagle3_assets import plots
+
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = metadata.table(
         (
@@ -243,35 +248,33 @@ def draft_model(
             ("val_acceptance_length", "float", "Acceptance length estimated from the per-step accuracies."),
         ],
     )
-    return dg.MaterializeResult(
-        metadata={
-            "epochs": result.epochs,
-            "epochs_run": result.epochs_run,
-            "ranks": result.ranks,
-            "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
-            "steps": result.steps,
-            "tokens_trained": result.tokens_trained,
-            "train_samples": result.train_samples,
-            "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
-            "val_loss_untrained": result.val_loss_untrained,
-            "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),
-            "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
-            "seconds": round(result.seconds, 1),
-            "seconds_per_step": round(result.seconds_per_step, 3),
-            # where the states came from (stored files or computed online) and the time split of this run
-            "hidden_states_source": result.hidden_states.get("source", "stored"),
-            "hidden_states_time_s": dg.MetadataValue.json(result.hidden_states),
-            "train_partitions": dg.MetadataValue.json(result.train_partitions),
-            "val_partition": result.val_partition,
-            "layer_ids": dg.MetadataValue.json(result.layer_ids),
-            "draft_vocab_size": result.draft_vocab_size,
-            "notes": dg.MetadataValue.json(result.notes),
-            "path": dg.MetadataValue.path(str(result.final_dir)),
-            "loss_per_epoch": per_epoch,
-            "loss_curve": dg.MetadataValue.md(
-                plots.lines_markdown(
-                    {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"
-                )
-            ),
-        }
-    )
+    return {
+        "epochs": result.epochs,
+        "epochs_run": result.epochs_run,
+        "ranks": result.ranks,
+        "resumed_from_epoch": result.resumed_from_epoch if result.resumed_from_epoch is not None else -1,
+        "steps": result.steps,
+        "tokens_trained": result.tokens_trained,
+        "train_samples": result.train_samples,
+        "val_loss": result.val_loss[-1] if result.val_loss else float("nan"),
+        "val_loss_untrained": result.val_loss_untrained,
+        "val_accuracy_per_ttt_step": dg.MetadataValue.json([round(a, 4) for a in last_accuracy]),
+        "val_acceptance_length_estimate": result.val_acceptance_length[-1] if result.val_acceptance_length else 0,
+        "seconds": round(result.seconds, 1),
+        "seconds_per_step": round(result.seconds_per_step, 3),
+        # where the states came from (stored files or computed online) and the time split of this run
+        "hidden_states_source": result.hidden_states.get("source", "stored"),
+        "hidden_states_time_s": dg.MetadataValue.json(result.hidden_states),
+        "train_partitions": dg.MetadataValue.json(result.train_partitions),
+        "val_partition": result.val_partition,
+        "layer_ids": dg.MetadataValue.json(result.layer_ids),
+        "draft_vocab_size": result.draft_vocab_size,
+        "notes": dg.MetadataValue.json(result.notes),
+        "path": dg.MetadataValue.path(str(result.final_dir)),
+        "loss_per_epoch": per_epoch,
+        "loss_curve": dg.MetadataValue.md(
+            plots.lines_markdown(
+                {"train": result.train_loss, "validation": result.val_loss}, "Draft loss", "epoch", "loss"
+            )
+        ),
+    }

@@ -1,20 +1,22 @@
 """``draft_evaluation``: the trained draft's acceptance in vLLM speculative decoding and offline, vs an untrained."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from eagle3_assets import settings
 from eagle3_assets.defs.resources import (
     DataStoreResource,
     EvaluationServersResource,
     SettingsConfig,
     VerifierResource,
 )
+from eagle3_assets.evaluation.evaluate import EvaluationOptions
+from eagle3_assets.evaluation.online import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT
 from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions
     from eagle3_assets.evaluation.report import EvaluationReport
     from eagle3_assets.storage import DataLayout
 
@@ -22,21 +24,29 @@ if TYPE_CHECKING:
 class DraftEvaluationRunConfig(SettingsConfig):
     """The draft_evaluation asset's run config; ``evaluation_options`` turns it into the core's options."""
 
-    k: int = setting(3, description="num_speculative_tokens.", gt=0)
-    online: bool = setting(True, description="Serve the verifier with the drafts in vLLM; false: offline only.")
-    offline: bool = setting(True, description="Simulate acceptance offline from the stored hidden states.")
-    prompts: int = setting(32, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0)
-    humaneval_prompts: int = setting(
-        0, description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.", ge=0
+    k: int = setting(EvaluationOptions.k, description="num_speculative_tokens.", gt=0)
+    online: bool = setting(
+        EvaluationOptions.online, description="Serve the verifier with the drafts in vLLM; false: offline only."
     )
-    max_tokens: int = setting(128, description="max_tokens per online request.", gt=0)
+    offline: bool = setting(
+        EvaluationOptions.offline, description="Simulate acceptance offline from the stored hidden states."
+    )
+    prompts: int = setting(
+        OnlineConfig.prompts, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0
+    )
+    humaneval_prompts: int = setting(
+        OnlineConfig.humaneval_prompts,
+        description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.",
+        ge=0,
+    )
+    max_tokens: int = setting(OnlineConfig.max_tokens, description="max_tokens per online request.", gt=0)
     concurrency: int = setting(
-        64,
+        OnlineConfig.concurrency,
         description="Requests in flight per server for each prompt set's acceptance (which does not depend on it).",
         gt=0,
     )
     speed_prompts: int = setting(
-        8,
+        OnlineConfig.speed_prompts,
         description="Tokens/s with and without the draft on each prompt set's first N prompts, one at a time; 0: none.",
         ge=0,
     )
@@ -53,35 +63,28 @@ def evaluation_options(
     servers: EvaluationServersResource,
     layout: "DataLayout",
     verifier: VerifierResource | None = None,
-) -> "EvaluationOptions":
+) -> EvaluationOptions:
     """The core's EvaluationOptions from the asset's run config, the evaluation servers and the verifier resource
     (its reasoning parser and device; None: their defaults)."""
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions
-    from eagle3_assets.evaluation.online import OnlineConfig
-
     verifier = verifier or VerifierResource()
-    return EvaluationOptions(
-        k=config.k,
-        online=config.online,
-        offline=config.offline,
+    online_config = settings.core_config(  # same-named fields by name (k is the options' too)
+        OnlineConfig,
+        config,
+        prompt_sets=tuple(servers.prompt_set_list()),
+        reasoning_parser=verifier.reasoning_parser,
+        plain_url=servers.plain_url.strip().rstrip("/") or None,
+        draft_url=servers.draft_url.strip().rstrip("/") or None,
+        served_model_name=servers.served_model_name or None,
+        api_key=servers.api_key(),
+        log_dir=layout.evaluation_dir / "_logs",
+    )
+    return settings.core_config(
+        EvaluationOptions,
+        config,
         untrained=config.untrained_baseline,
         partition=config.partition or None,
-        offline_max_samples=config.offline_max_samples,
         device=verifier.device,
-        online_config=OnlineConfig(
-            prompts=config.prompts,
-            humaneval_prompts=config.humaneval_prompts,
-            max_tokens=config.max_tokens,
-            concurrency=config.concurrency,
-            speed_prompts=config.speed_prompts,
-            prompt_sets=tuple(servers.prompt_set_list()),
-            reasoning_parser=verifier.reasoning_parser,
-            plain_url=servers.plain_url.strip().rstrip("/") or None,
-            draft_url=servers.draft_url.strip().rstrip("/") or None,
-            served_model_name=servers.served_model_name or None,
-            api_key=servers.api_key(),
-            log_dir=layout.evaluation_dir / "_logs",
-        ),
+        online_config=online_config,
     )
 
 
@@ -139,7 +142,6 @@ def draft_evaluation(
     verifier: VerifierResource,
     evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets import plots
     from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
@@ -147,7 +149,15 @@ def draft_evaluation(
     options = evaluation_options(config, evaluation_servers, layout, verifier)
     report = run_evaluation(layout, layout.draft_model_dir / "final", verifier_path, options, log=context.log.info)
 
-    metadata: dict = {
+    return dg.MaterializeResult(metadata=evaluation_metadata(report, layout))
+
+
+def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dict[str, Any]:
+    """The evaluation's materialization metadata: the table, acceptance and speed-up per draft, method and prompt
+    set, online vs offline agreement, and acceptance per draft position."""
+    from eagle3_assets import plots
+
+    metadata: dict[str, Any] = {
         "table": evaluation_table(report),
         "dagster/row_count": dg.MetadataValue.int(len(report.stats)),
         "report_markdown": dg.MetadataValue.md(report.markdown()),
@@ -189,4 +199,4 @@ def draft_evaluation(
                 "accepted / drafts",
             )
         )
-    return dg.MaterializeResult(metadata=metadata)
+    return metadata

@@ -1,7 +1,6 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
-import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import dagster as dg
 
@@ -9,14 +8,13 @@ from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
-from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource, read_api_key
 from eagle3_assets.defs.responses import synthetic_responses
+from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
 from eagle3_assets.settings import setting
-
-if TYPE_CHECKING:
-    from eagle3_assets.hidden_states import HiddenStatesConfig
 
 TOKEN_IDS = "hidden_states_token_ids_match"
 FINITE = "hidden_states_finite"
@@ -26,15 +24,23 @@ ONE_PER_OK = "hidden_states_one_per_ok_response"
 class HiddenStatesRunConfig(SettingsConfig):
     """The hidden_states asset's run config; ``hidden_states_config`` turns it into the core's config."""
 
-    max_seq_len: int = setting(2048, description="Tokens kept per sample (longer ones are cut).", gt=1)
+    max_seq_len: int = setting(
+        HiddenStatesConfig.max_seq_len, description="Tokens kept per sample (longer ones are cut).", gt=1
+    )
     dtype: str = setting(
-        "bfloat16",
+        HiddenStatesConfig.dtype,
         description="Storage dtype of the hidden states: float8_e4m3fn halves bf16's bytes (one scale per token and "
         "layer).",
         check=settings.one_of(*STORAGE_DTYPES),
     )
-    batch_tokens: int = setting(8192, description="hf backend: padded tokens per forward pass.", gt=0)
-    concurrency: int = setting(32, description="vllm backend: requests in flight over the extraction servers.", gt=0)
+    batch_tokens: int = setting(
+        HiddenStatesConfig.batch_tokens, description="hf backend: padded tokens per forward pass.", gt=0
+    )
+    concurrency: int = setting(
+        VLLMBackendOptions.concurrency,
+        description="vllm backend: requests in flight over the extraction servers.",
+        gt=0,
+    )
     store_budget_gib: float | None = setting(
         None,
         description="State files kept per partition, GiB: empty stores all; 0 stores none (draft_model trains "
@@ -43,28 +49,25 @@ class HiddenStatesRunConfig(SettingsConfig):
     )
 
 
-def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> "HiddenStatesConfig":
-    """The core's HiddenStatesConfig from the asset's run config and the verifier resource."""
-    from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-
-    return HiddenStatesConfig(
+def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> HiddenStatesConfig:
+    """The core's HiddenStatesConfig from the asset's run config (same-named fields) and the verifier resource."""
+    return settings.core_config(
+        HiddenStatesConfig,
+        config,
         layer_ids=verifier.layer_id_list(),
-        max_seq_len=config.max_seq_len,
-        dtype=config.dtype,
         # the backend and its servers are the verifier resource's (EAGLE3_HIDDEN_STATES_*), overridable per run
         backend=verifier.hidden_states_backend,
         device=verifier.device,
         precision=verifier.precision,
-        batch_tokens=config.batch_tokens,
         store_budget_bytes=None if config.store_budget_gib is None else int(config.store_budget_gib * 2**30),
-        vllm=VLLMBackendOptions(
+        vllm=settings.core_config(
+            VLLMBackendOptions,
+            config,
             urls=tuple(verifier.hidden_states_urls()),
             storage_path=verifier.hidden_states_storage or None,
-            concurrency=config.concurrency,
             outage_budget_s=verifier.hidden_states_outage_budget_s,
             # a remote extraction deployment sits behind the same key as the generation servers
-            api_key=os.environ.get("EAGLE3_API_KEY") or None,
+            api_key=read_api_key(),
         ),
     )
 
@@ -99,7 +102,6 @@ def hidden_states(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
-    from eagle3_assets import plots
     from eagle3_assets.hidden_states import (
         check_finite,
         check_one_per_ok_response,
@@ -115,40 +117,47 @@ def hidden_states(
     stage_config = hidden_states_config(config, verifier)
     result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
 
-    import polars as pl
-
-    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
     recorded = PartitionLineage.load(layout, "hidden_states", key)
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(recorded.data_version) if recorded else None,
-        metadata={
-            # one row per stored sample in the partition's index (the tensors are in safetensors files)
-            **parquet_table(result.index_path, result.samples, partitioned=True),
-            "stored": result.stored,
-            # how many samples keep a state file (all, unless built for online or hybrid training)
-            "samples_with_states": result.samples_with_states,
-            "skipped_existing": result.skipped_existing,
-            "failed_responses_excluded": result.failed_responses_excluded,
-            "truncated_at_max_seq_len": result.truncated,
-            "tokens": result.tokens,
-            "loss_tokens": result.loss_tokens,
-            "served_token_ids": result.served_token_ids,
-            "bytes": result.bytes,
-            "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
-            "tokens_per_s": round(result.tokens_per_s, 1),
-            "backend": stage_config.backend,
-            "seconds": round(result.seconds, 1),
-            "layer_ids": dg.MetadataValue.json(result.layer_ids),
-            "hidden_size": result.hidden_size,
-            "dtype": result.dtype,
-            "path": dg.MetadataValue.path(str(result.data_dir)),
-            "notes": dg.MetadataValue.json(result.notes),
-            "sequence_length_histogram": dg.MetadataValue.md(
-                plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
-            ),
-        },
+        metadata=hidden_states_metadata(result, key, stage_config.backend),
     )
     outcomes = {name: check(layout, key) for name, check in _CHECKS.items()}
     record_checks(layout, "hidden_states", key, {name: outcome.passed for name, outcome in outcomes.items()})
     for name, outcome in outcomes.items():
         yield check_result(name, outcome)
+
+
+def hidden_states_metadata(result: HiddenStatesResult, key: str, backend: str) -> dict[str, Any]:
+    """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths."""
+    import polars as pl
+
+    from eagle3_assets import plots
+
+    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
+    return {
+        # one row per stored sample in the partition's index (the tensors are in safetensors files)
+        **parquet_table(result.index_path, result.samples, partitioned=True),
+        "stored": result.stored,
+        # how many samples keep a state file (all, unless built for online or hybrid training)
+        "samples_with_states": result.samples_with_states,
+        "skipped_existing": result.skipped_existing,
+        "failed_responses_excluded": result.failed_responses_excluded,
+        "truncated_at_max_seq_len": result.truncated,
+        "tokens": result.tokens,
+        "loss_tokens": result.loss_tokens,
+        "served_token_ids": result.served_token_ids,
+        "bytes": result.bytes,
+        "bytes_per_token": round(result.bytes / result.tokens, 1) if result.tokens else 0,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "backend": backend,
+        "seconds": round(result.seconds, 1),
+        "layer_ids": dg.MetadataValue.json(result.layer_ids),
+        "hidden_size": result.hidden_size,
+        "dtype": result.dtype,
+        "path": dg.MetadataValue.path(str(result.data_dir)),
+        "notes": dg.MetadataValue.json(result.notes),
+        "sequence_length_histogram": dg.MetadataValue.md(
+            plots.histogram_markdown(lengths, f"Sequence length, partition {key}", "tokens")
+        ),
+    }

@@ -11,17 +11,15 @@ otherwise send any environment variable of the run's process as a bearer token):
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle3_assets import settings
-from eagle3_assets.defs.resources import SettingsResource, read_api_key
-from eagle3_assets.settings import OUTAGE_BUDGET_S, setting
-
-if TYPE_CHECKING:
-    from eagle3_assets.generation import GenerationConfig
+from eagle3_assets.defs.resources import SettingsResource, VerifierResource, read_api_key
+from eagle3_assets.generation.config import GenerationConfig
+from eagle3_assets.settings import setting
 
 
 class InferenceServerResource(SettingsResource):
@@ -29,7 +27,7 @@ class InferenceServerResource(SettingsResource):
 
     model: str = setting("", env="EAGLE3_MODEL", description="Served model name; empty: ask `/v1/models`.")
     concurrency: int = setting(
-        128,
+        GenerationConfig.concurrency,
         env="EAGLE3_CONCURRENCY",
         description=(
             "Requests in flight per partition run; for a server that reports its load (`/metrics`), the default "
@@ -46,19 +44,30 @@ class InferenceServerResource(SettingsResource):
         ),
         check=settings.check_server_targets,
     )
-    max_tokens: int = setting(8000, env="EAGLE3_MAX_TOKENS", description="max_tokens per completion.", gt=0)
+    max_tokens: int = setting(
+        GenerationConfig.max_tokens, env="EAGLE3_MAX_TOKENS", description="max_tokens per completion.", gt=0
+    )
     request_timeout_s: float = setting(
-        1800.0, env="EAGLE3_REQUEST_TIMEOUT_S", description="Read timeout per request, seconds.", gt=0
+        GenerationConfig.request_timeout_s,
+        env="EAGLE3_REQUEST_TIMEOUT_S",
+        description="Read timeout per request, seconds.",
+        gt=0,
     )
     stream: bool = setting(
-        False, env="EAGLE3_STREAM", description="Stream responses (idle timeout instead of one long read)."
+        GenerationConfig.stream,
+        env="EAGLE3_STREAM",
+        description="Stream responses (idle timeout instead of one long read).",
     )
     idle_timeout_s: float = setting(
-        300.0, description="Streaming only: no token for this long is a (retryable) failure, seconds.", gt=0
+        GenerationConfig.idle_timeout_s,
+        description="Streaming only: no token for this long is a (retryable) failure, seconds.",
+        gt=0,
     )
-    max_attempts: int = setting(6, description="Attempts per request before the sample is recorded failed.", gt=0)
+    max_attempts: int = setting(
+        GenerationConfig.max_attempts, description="Attempts per request before the sample is recorded failed.", gt=0
+    )
     outage_budget_s: float = setting(
-        OUTAGE_BUDGET_S,
+        GenerationConfig.outage_budget_s,
         env="EAGLE3_OUTAGE_BUDGET_S",
         description=(
             "Seconds every server may stay down (refused, reset, timed out, 5xx) before a generation run stops "
@@ -67,13 +76,15 @@ class InferenceServerResource(SettingsResource):
         gt=0,
     )
     temperature: float | None = setting(
-        None,
+        GenerationConfig.temperature,
         env="EAGLE3_TEMPERATURE",
         description="Sampling temperature; empty: not sent, the server applies the model's generation_config.",
         ge=0.0,
     )
-    top_p: float | None = setting(None, description="Top-p; empty: the model's default.", gt=0.0, le=1.0)
-    seed: int | None = setting(None, description="Sampling seed per request; empty: none.")
+    top_p: float | None = setting(
+        GenerationConfig.top_p, description="Top-p; empty: the model's default.", gt=0.0, le=1.0
+    )
+    seed: int | None = setting(GenerationConfig.seed, description="Sampling seed per request; empty: none.")
     extra_body_json: str = setting(
         "",
         env="EAGLE3_EXTRA_BODY",
@@ -82,7 +93,7 @@ class InferenceServerResource(SettingsResource):
     )
     # see benchmarks/generation_efficiency.py for the client CPU of each
     transport: str = setting(
-        "aiohttp",
+        GenerationConfig.transport,
         env="EAGLE3_TRANSPORT",
         description=(
             "HTTP client: `aiohttp` (the project's own, ~1 ms client CPU per request) or `openai` (stock "
@@ -91,14 +102,14 @@ class InferenceServerResource(SettingsResource):
         check=settings.one_of("openai", "aiohttp"),
     )
     return_token_ids: bool = setting(
-        True,
+        GenerationConfig.return_token_ids,
         env="EAGLE3_RETURN_TOKEN_IDS",
         description=(
             "Ask vLLM for prompt/completion token ids and train on exactly those (false for servers without them)."
         ),
     )
     regenerate: str = setting(
-        "last-turn",
+        GenerationConfig.regenerate,
         env="EAGLE3_REGENERATE",
         description=(
             "Which assistant turns the model writes: `last-turn` (it answers the last user turn; earlier turns stay "
@@ -119,28 +130,15 @@ class InferenceServerResource(SettingsResource):
         return settings.check_json_object("EAGLE3_EXTRA_BODY", self.extra_body_json)
 
     def generation_config(self) -> GenerationConfig:
-        """The core's GenerationConfig, built from these settings (the only place that maps them)."""
-        from eagle3_assets.generation import GenerationConfig
-
-        return GenerationConfig(
+        """The core's GenerationConfig from these settings (same-named fields by name; the rest converted here)."""
+        return settings.core_config(
+            GenerationConfig,
+            self,
             base_urls=tuple(self.base_urls()),
             model=self.model or None,
             api_key=self.api_key(),
-            concurrency=self.concurrency,
             server_targets=settings.check_server_targets("EAGLE3_SERVER_TARGET", self.server_target),
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
             extra_sampling=self.extra_body(),
-            request_timeout_s=self.request_timeout_s,
-            stream=self.stream,
-            transport=self.transport,
-            return_token_ids=self.return_token_ids,
-            idle_timeout_s=self.idle_timeout_s,
-            max_attempts=self.max_attempts,
-            outage_budget_s=self.outage_budget_s,
-            regenerate=self.regenerate,
         )
 
 
@@ -170,13 +168,12 @@ class LocalVLLMResource(InferenceServerResource):
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         super().setup_for_execution(context)
         settings.check_not_blank("model_path", self.model_path)
-        from eagle3_assets.defs.resources import env_value
         from eagle3_assets.local.vllm_server import LocalVLLMServer
 
         self._server = LocalVLLMServer(
             model_dir=self.model_path,
             # the verifier's setting (VerifierResource), resolved against this folder's tokenizer
-            reasoning_parser=env_value("EAGLE3_REASONING_PARSER"),
+            reasoning_parser=settings.effective_value([VerifierResource], "EAGLE3_REASONING_PARSER"),
             port=self.port,
             served_model_name=self.model or None,
             log_dir=self.log_dir or None,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,13 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNTRAINED_SEED = 0
-
-
-@dataclass
-class SampleOutcome:
-    """Per-anchor accepted counts of one sample (-1: anchor not simulated)."""
-
-    accepted: list[int]
 
 
 def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa") -> Any:

@@ -183,7 +183,7 @@ def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> 
     return bad
 
 
-def _measure(
+def measure(
     base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
 ) -> GenerationRun:
     """Generate and count acceptance from these responses; a draft server must report it per request."""
@@ -201,7 +201,7 @@ def _measure(
     return run
 
 
-def _stats(
+def acceptance_stats(
     label: str, k: int, run: GenerationRun, speed: GenerationRun | None = None, prompt_set: str = HELD_OUT
 ) -> AcceptanceStats:
     """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``."""
@@ -226,7 +226,7 @@ def _stats(
     )
 
 
-def _local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | None) -> Any:
+def local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | None) -> Any:
     from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
 
     spec = None
@@ -264,11 +264,11 @@ def measure_set(
     base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
 ) -> SetRun:
     """The acceptance batch first (it also warms the server up), then the batch-1 speed batch."""
-    acceptance = _measure(base_url, model, prompts, config, speculative)
+    acceptance = measure(base_url, model, prompts, config, speculative)
     speed = None
     if config.speed_prompts > 0:
         one_at_a_time = dataclasses.replace(config, concurrency=1)
-        speed = _measure(base_url, model, prompts[: config.speed_prompts], one_at_a_time, speculative)
+        speed = measure(base_url, model, prompts[: config.speed_prompts], one_at_a_time, speculative)
     return SetRun(acceptance, speed)
 
 
@@ -309,7 +309,7 @@ def evaluate_online(
             say(f"online [{label}]: using the server at {display_url(url)}")
             return all_sets(url)
         say(f"online [{label}]: starting vLLM on {verifier}" + (f" with draft {draft}" if draft else ""))
-        with _local_server(verifier, config, name, draft) as server:
+        with local_server(verifier, config, name, draft) as server:
             startup[label] = round(float(server.startup_s or 0.0), 1)
             say(f"online [{label}]: ready in {startup[label]:.0f} s")
             return all_sets(server.base_url)
@@ -320,7 +320,7 @@ def evaluate_online(
     for i, (label, draft) in enumerate(drafts.items()):
         runs = run_on(label, Path(draft), config.draft_url if i == 0 else None)
         for set_name, run in runs.items():
-            s = _stats(label, config.k, run.acceptance, run.speed, set_name)
+            s = acceptance_stats(label, config.k, run.acceptance, run.speed, set_name)
             bad = mismatched(baseline[set_name].generations, run.generations)
             mismatches[set_name][label] = sorted(set(bad), key=bad.index)
             say(

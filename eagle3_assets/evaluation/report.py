@@ -11,7 +11,6 @@ Definitions follow vLLM's spec-decode metrics, so online and offline numbers mea
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,7 +270,3 @@ def write_report(report: EvaluationReport, layout_or_dir: DataLayout | Path) -> 
     write_json_atomic(report.to_dict(), json_path)
     write_bytes_atomic(report.markdown().encode("utf-8"), md_path)
     return json_path, md_path
-
-
-def read_report(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))

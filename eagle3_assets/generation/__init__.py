@@ -7,7 +7,7 @@ Entry point: :func:`generate_partition`.
 from __future__ import annotations
 
 from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.generation.partition import GenerationResult, generate_partition, partition_prompts
+from eagle3_assets.generation.partition import generate_partition, partition_prompts
 from eagle3_assets.generation.records import (
     COLUMNS,
     RESPONSE_SCHEMA,
@@ -15,6 +15,7 @@ from eagle3_assets.generation.records import (
     STATUS_OK,
     PromptToGenerate,
 )
+from eagle3_assets.generation.run_parts import GenerationResult
 
 __all__ = [
     "COLUMNS",

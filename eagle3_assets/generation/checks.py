@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
+from eagle3_assets.check_outcome import CheckOutcome
 from eagle3_assets.generation.records import STATUS_FAILED
 
 DEFAULT_MAX_ERROR_RATE = 0.01
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    passed: bool
-    description: str
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def completeness_check(path: Path, expected_ids: Collection[str]) -> CheckOutcome:

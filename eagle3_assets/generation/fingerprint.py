@@ -13,11 +13,11 @@ Fields that change how a request travels but not what it answers (timeouts, conc
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from eagle3_assets.hashing import digest
 
 # Bump when the hashed payload changes shape: every stored row then counts as stale once, by design.
 FINGERPRINT_VERSION = 1
@@ -27,16 +27,6 @@ FINGERPRINT_COLUMN = "request_fingerprint"
 STALE_PROMPT = "prompt changed"
 STALE_SETTINGS = "model or sampling settings changed"
 STALE_UNFINGERPRINTED = "written before request fingerprints"
-
-
-def canonical_json(value: Any) -> bytes:
-    """Deterministic JSON: sorted keys, no whitespace, UTF-8 (so equal values hash equally on every machine)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-
-
-def digest(value: Any, length: int = 32) -> str:
-    """sha256 of :func:`canonical_json` of ``value``, as ``length`` hex characters."""
-    return hashlib.sha256(canonical_json(value)).hexdigest()[:length]
 
 
 def messages_payload(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:

@@ -185,13 +185,13 @@ class OpenAITransport:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            raise _sdk_failure(error) from error
+            raise sdk_failure(error) from error
 
     async def list_models(self) -> list[str]:
         try:
             page = await self.client.models.list()
         except Exception as error:
-            raise _sdk_failure(error) from error
+            raise sdk_failure(error) from error
         return [model.id for model in page.data]
 
     async def warm(self, connections: int) -> None:
@@ -202,7 +202,7 @@ class OpenAITransport:
         await self.client.close()
 
 
-def _sdk_failure(error: BaseException) -> RequestFailed:
+def sdk_failure(error: BaseException) -> RequestFailed:
     """The SDK's exceptions as the aiohttp transport reports the same event (:func:`classify` for the rest)."""
     import openai
 

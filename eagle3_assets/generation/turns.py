@@ -18,8 +18,6 @@ turn it asked is. Finished turns are kept in ``_turns/<partition>.parquet`` besi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import itertools
 import re
@@ -242,7 +240,7 @@ async def _pool(
     line_dir: Path,
 ) -> EngineStats:
     """Run the first pending turn of every conversation; each ok turn queues the conversation's next one."""
-    from eagle3_assets.generation.partition import _sync_loop
+    from eagle3_assets.generation.run_parts import run_journaled
 
     transports = make_transports(config)
     engine: Engine | None = None
@@ -262,13 +260,7 @@ async def _pool(
             config, model, transports, on_finished, partition_key=partition_key, log=log, progress_prefix=prefix,
             unhealthy=unhealthy, line_dir=line_dir,
         )  # fmt: skip
-        syncer = asyncio.get_running_loop().create_task(_sync_loop(journal, config.fsync_interval_s))
-        try:
-            return await engine.run(todo)
-        finally:
-            syncer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await syncer
+        return await run_journaled(engine, todo, journal, config.fsync_interval_s)  # type: ignore[no-any-return]
     finally:
         await close_all(transports)
 
@@ -277,13 +269,13 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.partition import _request_model, _result, _set_aside, _space_floor, run_async
+    from eagle3_assets.generation.run_parts import generation_result, request_model, run_async, set_aside, space_floor
 
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)
     store_path = turns_store_path(layout, partition_key)
     with storage.exclusive_lock(layout.lock_path("synthetic_responses", partition_key), f"partition {partition_key}"):
-        model, unreachable = _request_model(config, layout.responses_manifest_path(partition_key), log)
+        model, unreachable = request_model(config, layout.responses_manifest_path(partition_key), log)
         config = dataclasses.replace(config, model=model)
         inputs = FingerprintInputs(model, config.sampling_params(), config.model_revision)
         settings = digest([inputs.settings_digest, "all-turns"], 64)
@@ -304,7 +296,7 @@ def generate_all_turns(
         if todo and unreachable is not None:
             raise unreachable
         if todo:
-            storage.ensure_free_space(journal_path.parent, _space_floor(todo), f"partition {partition_key}")
+            storage.ensure_free_space(journal_path.parent, space_floor(todo), f"partition {partition_key}")
             journal = Journal.open(journal_path, valid_size=contents.valid_size)
             line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
             try:
@@ -315,7 +307,7 @@ def generate_all_turns(
             known = merge_records(stored, read_journal(journal_path, current).records)
         frame = _frame([conversation_row(c, known, partition_key) for c in conversations.values()])
         storage.write_parquet_atomic(_frame([known[t] for t in fingerprints if t in known]), store_path)
-        _set_aside(layout, partition_key, {p.sample_id for p in prompts}, frame, log)
+        set_aside(layout, partition_key, {p.sample_id for p in prompts}, frame, log)
         storage.write_parquet_atomic(frame, final_path)
         data_version = storage.file_digest(final_path)
         manifest = {
@@ -326,5 +318,7 @@ def generate_all_turns(
         storage.write_json_atomic(manifest, layout.responses_manifest_path(partition_key))
         journal_path.unlink(missing_ok=True)
         wall = time.monotonic() - started
-        result = _result(partition_key, final_path, frame, stats, kept, stats.total, model, wall, contents.torn_bytes)
+        result = generation_result(
+            partition_key, final_path, frame, stats, kept, stats.total, model, wall, contents.torn_bytes
+        )
         return dataclasses.replace(result, settings_digest=settings, data_version=data_version)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.check_outcome import CheckOutcome
 from eagle3_assets.hidden_states.samples import hs_file, read_ok_responses
 from eagle3_assets.storage import DataLayout, read_json
 
@@ -13,13 +13,6 @@ if TYPE_CHECKING:
 
 # what the trainer must agree with (aux layer ids, widths, dtype); ours, not speculators'
 META_FILE = "eagle3_meta.json"
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    passed: bool
-    description: str
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def read_meta(layout: DataLayout, partition_key: str) -> dict[str, Any]:

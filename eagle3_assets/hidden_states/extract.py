@@ -40,9 +40,7 @@ from eagle3_assets.hidden_states.backends import (
     BACKEND_NAMES,
     make_backend,
     plan_batches,
-    resolve_layer_ids,
     torch_threads,
-    verifier_shape,
 )
 from eagle3_assets.hidden_states.checks import (  # noqa: F401 (re-exported: callers import them from here)
     META_FILE,
@@ -76,6 +74,7 @@ from eagle3_assets.storage import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
 if TYPE_CHECKING:
     import polars as pl

@@ -224,7 +224,7 @@ class VLLMBackend:
     ) -> None:
         import torch
 
-        from eagle3_assets.hidden_states.backends import verifier_shape
+        from eagle3_assets.verifier import verifier_shape
 
         self.options = options or VLLMBackendOptions()
         self.layer_ids = list(layer_ids)

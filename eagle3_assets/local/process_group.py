@@ -42,13 +42,13 @@ def _wait_group_gone(pgid: int, pid: int, timeout_s: float, process: subprocess.
         except PermissionError:
             return False
         # The engine core may outlive the API server briefly; a zombie leader alone still counts as "gone".
-        if _only_zombies(pgid):
+        if only_zombies(pgid):
             return True
         time.sleep(0.25)
     return False
 
 
-def _only_zombies(pgid: int) -> bool:
+def only_zombies(pgid: int) -> bool:
     proc = Path("/proc")
     if not proc.is_dir():
         return False

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_assets.local.tiny_model import (
+from eagle3_assets.local.tiny_spec import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_START_TOKEN,

@@ -1,4 +1,4 @@
-"""``eagle3 serve-local`` (``python -m eagle3_assets.local.vllm_server``): serve / start / stop / status.
+"""``eagle3 serve-local`` (``python -m eagle3_assets.local.vllm_cli``): serve / start / stop / status.
 
 * ``serve --model DIR [--port P]``   foreground; Ctrl-C or SIGTERM stops the server;
 * ``start --model DIR [--port P] [--pid-file F]``  detached; returns once ``/v1/models`` answers 200;
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.local.process_group import stop_process_group
-from eagle3_assets.local.vllm_probe import API_KEY_ENV, _probe_models, _unauthorized_message
+from eagle3_assets.local.vllm_probe import API_KEY_ENV, probe_models, unauthorized_message
 from eagle3_assets.local.vllm_server import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -68,9 +68,9 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
 def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     """``--hidden-states``: the verifier in extraction mode (the ``vllm`` hidden-states backend's server)."""
 
-    from eagle3_assets.hidden_states.backends import resolve_layer_ids, verifier_shape
     from eagle3_assets.local.extraction import extraction_server_config
     from eagle3_assets.settings import parse_layer_ids
+    from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
     if args.speculative_config:
         raise SystemExit("error: --hidden-states sets its own --speculative-config; drop one of the two")
@@ -202,9 +202,9 @@ def _is_vllm_process(pid: int) -> bool:
 def _cmd_status(args: argparse.Namespace) -> int:
     base_url = f"http://{args.host}:{args.port}/v1"
     api_key = os.environ.get(API_KEY_ENV) or None
-    models, status = _probe_models(base_url, 5.0, api_key)
+    models, status = probe_models(base_url, 5.0, api_key)
     if status == 401:
-        print(_unauthorized_message(base_url, api_key))
+        print(unauthorized_message(base_url, api_key))
         return 1
     if models is None:
         print(f"no server answering at {base_url}")

@@ -54,7 +54,7 @@ def list_models(base_url: str, timeout_s: float = 5.0, api_key: str | None = Non
     return probe_models(base_url, timeout_s, api_key)[0]
 
 
-def _unauthorized_message(base_url: str, api_key: str | None) -> str:
+def unauthorized_message(base_url: str, api_key: str | None) -> str:
     """Why a 401 happened, without the key."""
     sent = (
         f"it refused the key that was sent (from {API_KEY_ENV} or --api-key)"
@@ -99,6 +99,3 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-_probe_models = probe_models  # the name local/vllm_server.py uses

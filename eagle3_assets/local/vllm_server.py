@@ -17,7 +17,7 @@ Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here g
 started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
 started (a per-user record of pid, port and model folder) for the same model folder and served name.
 
-The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_server``) is
+The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_cli``) is
 :mod:`eagle3_assets.local.vllm_cli`; probing a running server (models, API key, metrics) is
 :mod:`eagle3_assets.local.vllm_probe`; stopping a process group is :mod:`eagle3_assets.local.process_group`.
 """
@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -39,16 +38,16 @@ from types import TracebackType
 from typing import Any
 
 from eagle3_assets import process_guard
-from eagle3_assets.local.process_group import _only_zombies, stop_process_group
+from eagle3_assets.local.process_group import only_zombies, stop_process_group
 from eagle3_assets.local.reasoning import resolve_reasoning_parser
 from eagle3_assets.local.vllm_probe import (
     API_KEY_ENV,
-    _probe_models,
-    _unauthorized_message,
     list_models,
     log_tail,
     metric_total,
+    probe_models,
     read_metrics,
+    unauthorized_message,
 )
 
 __all__ = [
@@ -60,14 +59,12 @@ __all__ = [
     "VLLMNotInstalledError",
     "VLLMServerConfig",
     "VLLMServerError",
-    "_only_zombies",
-    "build_parser",
     "check_vllm_python",
     "find_free_port",
     "list_models",
     "log_tail",
-    "main",
     "metric_total",
+    "only_zombies",
     "port_in_use",
     "read_metrics",
     "stop_process_group",
@@ -283,9 +280,9 @@ class LocalVLLMServer:
         cfg = self.config
         if port_in_use(cfg.host, cfg.port):
             api_key = cfg.api_key()
-            models, status = _probe_models(cfg.base_url, 5.0, api_key)
+            models, status = probe_models(cfg.base_url, 5.0, api_key)
             if cfg.reuse_existing and status == 401:
-                why = _unauthorized_message(cfg.base_url, api_key)
+                why = unauthorized_message(cfg.base_url, api_key)
                 raise VLLMServerError(f"cannot reuse the server on {cfg.host}:{cfg.port}: {why}")
             if cfg.reuse_existing and models is not None:
                 if cfg.model_name not in models:
@@ -301,7 +298,7 @@ class LocalVLLMServer:
             if models is not None:
                 what = f"a vLLM server serving {models}"
             elif status == 401:
-                what = f"a server that answers 401 ({_unauthorized_message(cfg.base_url, api_key)})"
+                what = f"a server that answers 401 ({unauthorized_message(cfg.base_url, api_key)})"
             else:
                 what = "another process"
             hint = " (pass reuse_existing / --reuse to use it)" if models is not None else ""
@@ -346,11 +343,11 @@ class LocalVLLMServer:
                 raise VLLMServerError(
                     f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
-            models, status = _probe_models(self.base_url, 5.0, api_key)
+            models, status = probe_models(self.base_url, 5.0, api_key)
             if models is not None and self.model_name in models:
                 return
             if status == 401:  # the key is checked from the first request on: waiting cannot help
-                raise VLLMServerError(f"{_unauthorized_message(self.base_url, api_key)}; log {self.log_path}")
+                raise VLLMServerError(f"{unauthorized_message(self.base_url, api_key)}; log {self.log_path}")
             if time.monotonic() > deadline:
                 raise VLLMServerError(
                     f"vLLM did not answer {self.base_url}/models within {self.config.startup_timeout_s:.0f} s; "
@@ -383,21 +380,3 @@ class LocalVLLMServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def build_parser() -> Any:
-    """``eagle3 serve-local``'s argument parser: see :mod:`eagle3_assets.local.vllm_cli`."""
-    from eagle3_assets.local.vllm_cli import build_parser as cli_parser
-
-    return cli_parser()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``eagle3 serve-local``: see :mod:`eagle3_assets.local.vllm_cli`."""
-    from eagle3_assets.local.vllm_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -136,8 +136,8 @@ def current_extraction_settings(layout: Any) -> dict[str, Any]:
     import json
 
     from eagle3_assets.defs.resources import VerifierResource
-    from eagle3_assets.hidden_states.backends import resolve_layer_ids
     from eagle3_assets.lineage import verifier_fingerprint
+    from eagle3_assets.verifier import resolve_layer_ids
 
     try:
         verifier = VerifierResource.from_env()

@@ -86,16 +86,6 @@ def validate_prompts(layout: DataLayout) -> FileVerdict:
     return FileVerdict("raw_prompts", None, path, True, metadata={ROWS: rows})
 
 
-def prompt_partition_keys(layout: DataLayout) -> list[str]:
-    import duckdb
-
-    with duckdb.connect() as con:
-        keys = con.execute(
-            f"SELECT DISTINCT partition_key FROM read_parquet('{_quote(layout.prompts_path)}') ORDER BY 1"
-        ).fetchall()
-    return [k[0] for k in keys]
-
-
 def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | None) -> FileVerdict:
     import duckdb
 

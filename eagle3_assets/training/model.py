@@ -43,8 +43,8 @@ def build_draft(
     mapping: tuple[Any, Any] | None,
 ) -> Any:
     """A freshly initialized EAGLE-3 draft for this verifier, built the way ``speculators train`` builds it."""
-    from eagle3_assets.hidden_states.backends import verifier_shape
     from eagle3_assets.speculators_adapter import create_transformer_layer_config, eagle3_classes
+    from eagle3_assets.verifier import verifier_shape
 
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=str(verifier_path),

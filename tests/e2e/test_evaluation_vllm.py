@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _local_server, _measure, _stats, mismatched
+from eagle3_assets.evaluation.online import OnlineConfig, Prompt, acceptance_stats, local_server, measure, mismatched
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -39,14 +39,14 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     config = OnlineConfig(
         k=K, max_tokens=64, concurrency=2, python=vllm_server.config.python, log_dir=tmp_path / "logs"
     )
-    plain = _measure(vllm_server.base_url, vllm_server.model_name, prompts, config)  # no draft: no spec metrics
+    plain = measure(vllm_server.base_url, vllm_server.model_name, prompts, config)  # no draft: no spec metrics
     assert plain.counters["drafts"] == 0  # no speculation on the plain server
-    with _local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
-        spec = _measure(server.base_url, server.model_name, prompts, config, speculative=True)
+    with local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
+        spec = measure(server.base_url, server.model_name, prompts, config, speculative=True)
 
     assert all(g.token_ids for g in plain.generations + spec.generations), "vLLM returned no token ids"
     assert mismatched(plain.generations, spec.generations) == []
-    stats = _stats("untrained", K, spec)
+    stats = acceptance_stats("untrained", K, spec)
     assert stats.drafts > 0 and stats.draft_tokens == K * stats.drafts
     assert len(stats.accepted_per_position) == K
     assert sum(stats.accepted_per_position) == stats.accepted_tokens

@@ -23,19 +23,7 @@ LAYERS = [1, 2, 3]
 RELATIVE_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def verifier() -> Path:
-    from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
-    from support.hidden_states_data import cached_tiny_verifier
-
-    try:
-        check_vllm_python()
-    except VLLMNotInstalledError as exc:
-        pytest.skip(f"local vLLM not installed: {exc}")
-    return cached_tiny_verifier()
-
-
-def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, verifier: Path) -> None:
+def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, vllm_tiny_verifier: Path) -> None:
     """One partition through the embedded extraction server (no URL) equals the hf backend's, and the
     connector's files are gone afterwards."""
     import torch
@@ -50,12 +38,15 @@ def test_vllm_backend_matches_hf_sample_by_sample(tmp_path: Path, verifier: Path
         layouts[backend] = layout
     transfer = tmp_path / "transfer"
     hf = extract_partition(
-        layouts["hf"], KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, dtype="float32", precision="float32")
+        layouts["hf"],
+        KEY,
+        vllm_tiny_verifier,
+        HiddenStatesConfig(layer_ids=LAYERS, dtype="float32", precision="float32"),
     )
     vllm_config = HiddenStatesConfig(
         layer_ids=LAYERS, dtype="float32", backend="vllm", vllm=VLLMBackendOptions(storage_path=str(transfer))
     )
-    vllm = extract_partition(layouts["vllm"], KEY, verifier, vllm_config)
+    vllm = extract_partition(layouts["vllm"], KEY, vllm_tiny_verifier, vllm_config)
     assert vllm.samples == hf.samples == 14 and vllm.stored == 14
     assert list(transfer.iterdir()) == []  # every connector file (and its .lock) deleted after reading
     for row in range(hf.samples):
@@ -89,7 +80,9 @@ def _vllm_pids(port: int) -> list[int]:
     return found
 
 
-def test_a_killed_run_takes_its_embedded_server_down_and_the_next_run_resumes(tmp_path: Path, verifier: Path) -> None:
+def test_a_killed_run_takes_its_embedded_server_down_and_the_next_run_resumes(
+    tmp_path: Path, vllm_tiny_verifier: Path
+) -> None:
     """SIGKILL the process extracting with the embedded server (no URL) once the server is up: the kernel stops the
     server (no vLLM left running), and the next run (hf here) completes the partition and sweeps the connector
     folder the killed run left in the partition."""
@@ -111,7 +104,7 @@ def test_a_killed_run_takes_its_embedded_server_down_and_the_next_run_resumes(tm
         import sys
         from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
         from eagle3_assets.storage import DataLayout
-        extract_partition(DataLayout.at({str(layout.root)!r}), {KEY!r}, {str(verifier)!r},
+        extract_partition(DataLayout.at({str(layout.root)!r}), {KEY!r}, {str(vllm_tiny_verifier)!r},
                           HiddenStatesConfig(layer_ids={LAYERS!r}, backend="vllm"), log=lambda m: print(m, flush=True))
         """
     )
@@ -143,6 +136,6 @@ def test_a_killed_run_takes_its_embedded_server_down_and_the_next_run_resumes(tm
         time.sleep(0.5)
     assert not _vllm_pids(port), "the embedded vLLM server outlived the killed run"
 
-    result = extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS))
+    result = extract_partition(layout, KEY, vllm_tiny_verifier, HiddenStatesConfig(layer_ids=LAYERS))
     assert result.samples == 12 and check_token_ids(layout, KEY).passed
     assert not (result.data_dir / ".vllm-transfer").exists()

@@ -5,7 +5,6 @@ backfill of two partitions through ``dagster-daemon``, then ``eagle3 status`` an
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
@@ -20,16 +19,14 @@ import pytest
 
 from eagle3_assets import cli
 from eagle3_assets.local.vllm_server import find_free_port
-from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
-    dagster_daemon,
+    backfill_missing_through_daemon,
     initialize_storage,
-    materialize_partitions,
     pipeline_env,
-    wait_for,
+    sync_records_what_is_on_disk,
     write_prompts,
     write_workspace,
 )
@@ -134,30 +131,7 @@ def test_missing_only_backfill_status_and_sync_on_postgres(
             assert type(instance.run_storage).__name__ == "PostgresRunStorage"
             assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
             initialize_storage(instance)
-        with (
-            dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
-            dg.DagsterInstance.get() as instance,
-        ):
-            materialize_partitions(instance, layout, dataset, 4, server.base_url, ok=["00000"], failed=["00001"])
-            capsys.readouterr()
-            assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
-            backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
-            assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
-
-            def done() -> bool:
-                assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
-                runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-                return len(runs) == 2 and all(run.is_finished for run in runs)
-
-            try:
-                wait_for(done, 300, f"the runs of backfill {backfill_id}", interval_s=2)
-            except TimeoutError:
-                print((tmp_path / "daemon.log").read_text()[-5000:])
-                raise
-            runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-            assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
-            assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
-            assert backfill.plan_missing(instance, downstream=False).empty
+        backfill_missing_through_daemon(workspace, env, layout, dataset, server.base_url, capsys)
         capsys.readouterr()
         assert cli.main(["status"]) == 0
         assert "summary: 3 both" in capsys.readouterr().out
@@ -165,9 +139,4 @@ def test_missing_only_backfill_status_and_sync_on_postgres(
         # A second, empty database as a lost DAGSTER_HOME: `eagle3 sync` records the files into PostgreSQL.
         create_database(pg, "dagster_lost")
         monkeypatch.setenv("DAGSTER_HOME", str(postgres_home(tmp_path, "dagster_lost")))
-        assert cli.main(["sync"]) == 0
-        assert "4 recorded" in capsys.readouterr().out  # raw_prompts and the 3 partitions
-        assert cli.main(["backfill", "--missing", "--no-downstream", "--dry-run"]) == 0
-        assert "nothing missing or failed among 3 partitions" in capsys.readouterr().out
-        assert cli.main(["status"]) == 0
-        assert "summary: 3 both" in capsys.readouterr().out
+        sync_records_what_is_on_disk(capsys)

@@ -21,25 +21,15 @@ LAYERS = [1, 2, 3]
 CONCURRENCY = 32  # VLLMBackendOptions' default: requests in flight per worker
 
 
-@pytest.fixture(scope="module")
-def verifier() -> Path:
-    from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
-    from support.hidden_states_data import cached_tiny_verifier
-
-    try:
-        check_vllm_python()
-    except VLLMNotInstalledError as exc:
-        pytest.skip(f"local vLLM not installed: {exc}")
-    return cached_tiny_verifier()
-
-
-def test_online_training_against_the_embedded_extraction_server_stores_nothing(verifier: Path, tmp_path: Path) -> None:
+def test_online_training_against_the_embedded_extraction_server_stores_nothing(
+    vllm_tiny_verifier: Path, tmp_path: Path
+) -> None:
     from support.hidden_states_data import fabricate_responses
 
     layout = DataLayout.at(tmp_path / "data")
     for key in KEYS:
         fabricate_responses(layout, key, 24, min_words=20, max_words=40)
-        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=LAYERS))
+        extract_partition(layout, key, vllm_tiny_verifier, HiddenStatesConfig(layer_ids=LAYERS))
     build_vocab_mapping(layout, KEYS[:1], draft_vocab_size=256, target_vocab_size=1024)
     for path in layout.root.rglob("hs_*.safetensors"):
         path.unlink()  # what an online partition holds: token ids, masks and lineage, no states
@@ -60,7 +50,7 @@ def test_online_training_against_the_embedded_extraction_server_stores_nothing(v
         online_backend="vllm", online_workers=1, prefetch_batches=2,
     )  # fmt: skip
     try:
-        result = train_draft(layout, KEYS[:1], KEYS[1], verifier, config)
+        result = train_draft(layout, KEYS[:1], KEYS[1], vllm_tiny_verifier, config)
     finally:
         stop.set()
         watcher.join()

@@ -16,7 +16,7 @@ KEYS = ["00000", "00001", "00002"]
 
 
 def test_a_two_process_draft_serves_in_vllm(tmp_path: Path) -> None:
-    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _local_server, _measure
+    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, local_server, measure
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
     from eagle3_assets.training import TrainConfig, build_vocab_mapping
@@ -40,7 +40,7 @@ def test_a_two_process_draft_serves_in_vllm(tmp_path: Path) -> None:
 
     online = OnlineConfig(k=3, max_tokens=32, concurrency=2, python=python, log_dir=tmp_path / "logs")
     prompts = [Prompt("p0", [{"role": "user", "content": "the model token draft"}])]
-    with _local_server(verifier, online, "tiny-verifier", result.final_dir) as server:
-        measured = _measure(server.base_url, server.model_name, prompts, online)
+    with local_server(verifier, online, "tiny-verifier", result.final_dir) as server:
+        measured = measure(server.base_url, server.model_name, prompts, online)
     assert measured.generations[0].token_ids, "the speculative server returned no tokens"
     assert measured.counters["drafts"] > 0  # vLLM loaded the draft and proposed tokens with it

@@ -11,11 +11,11 @@ import pytest
 
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import ERROR_RATE, synthetic_responses
+from eagle3_assets.defs.responses import ERROR_RATE
 from eagle3_assets.local.vllm_server import LocalVLLMServer, metric_total
 from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
 from eagle3_assets.storage import DataLayout
-from support.common import make_resources, write_jsonl
+from support.common import make_resources, materialize_responses, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,12 +38,10 @@ def test_partition_of_50_against_real_vllm(
     assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
     served_before = metric_total(vllm_server.base_url, "vllm:request_success_total")
 
-    result = dg.materialize(
-        [raw_prompts, synthetic_responses],
-        selection=[synthetic_responses],
-        partition_key="00000",
-        instance=instance,
-        resources=resources,
+    result = materialize_responses(
+        "00000",
+        instance,
+        resources,
         raise_on_error=False,
     )
 

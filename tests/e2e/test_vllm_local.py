@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from eagle3_assets.local.tiny_model import EOS_TOKEN, THINK_END_TOKEN
+from eagle3_assets.local.tiny_spec import EOS_TOKEN, THINK_END_TOKEN
 from eagle3_assets.local.vllm_server import LocalVLLMServer, metric_total
 
 # Registers the session-scoped `tiny_model_dir` / `vllm_server` fixtures (one server for the whole session).

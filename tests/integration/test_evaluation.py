@@ -258,7 +258,7 @@ def test_cli_offline_only_writes_the_report(
 ) -> None:
     import torch
 
-    from eagle3_assets.evaluation.cli import main
+    from eagle3_assets.cli.evaluate import main
     from eagle3_assets.training import TrainConfig
     from eagle3_assets.training.model import build_draft
 

@@ -193,9 +193,9 @@ def test_servers_given_by_url_start_nothing(stand_in: Path, no_think_model: tupl
 def test_the_asset_and_the_cli_pass_the_settings_through(
     stand_in: Path, no_think_model: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from eagle3_assets.cli.evaluate import main
     from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
-    from eagle3_assets.evaluation.cli import main
 
     layout = DataLayout.at(tmp_path / "data")
     run_config = DraftEvaluationRunConfig(humaneval_prompts=5, speed_prompts=2, concurrency=16)

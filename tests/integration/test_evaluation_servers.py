@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
-from eagle3_assets.defs.resources import EvaluationServersResource, default_resources
-from eagle3_assets.evaluation.online import OnlineConfig, Prompt, _measure
+from eagle3_assets.defs.registry import default_resources
+from eagle3_assets.defs.resources import EvaluationServersResource
+from eagle3_assets.evaluation.online import OnlineConfig, Prompt, measure
 from eagle3_assets.storage import DataLayout
 
 K = 3
@@ -84,7 +85,7 @@ PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in rang
 
 def test_acceptance_is_counted_from_own_responses_with_the_api_key() -> None:
     with stub_server(OWN) as (url, seen):
-        run = _measure(url, "m", PROMPTS, OnlineConfig(k=K, api_key="sk-eval-123", concurrency=2), speculative=True)
+        run = measure(url, "m", PROMPTS, OnlineConfig(k=K, api_key="sk-eval-123", concurrency=2), speculative=True)
     assert run.counters == {"drafts": 20, "draft_tokens": 60, "accepted": 35, "per_position": [15, 10, 10]}
     assert len(seen) == 5 and {r["authorization"] for r in seen} == {"Bearer sk-eval-123"}
     assert all(r["temperature"] == 0 and r["path"] == "/v1/chat/completions" for r in seen)
@@ -92,7 +93,7 @@ def test_acceptance_is_counted_from_own_responses_with_the_api_key() -> None:
 
 def test_a_draft_server_without_per_request_metrics_is_refused() -> None:
     with stub_server(None) as (url, _seen), pytest.raises(RuntimeError) as raised:
-        _measure(url, "m", PROMPTS, OnlineConfig(k=K), speculative=True)
+        measure(url, "m", PROMPTS, OnlineConfig(k=K), speculative=True)
     text = str(raised.value)
     assert "--per-request-spec-decode-metrics summary" in text and "5 of 5 requests" in text and url in text
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import polars as pl
@@ -14,7 +13,7 @@ import polars as pl
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.common import child_env
+from support.common import child_env, journal_lines, reaped, sigkill_when
 from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00003"
@@ -41,14 +40,7 @@ def make_prompts(n: int) -> list[PromptToGenerate]:
     return [PromptToGenerate(f"kill-{i:05d}", [{"role": "user", "content": f"kill test prompt {i}"}]) for i in range(n)]
 
 
-def _complete_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
-def test_acceptance2_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: Path) -> None:
+def test_sigkill_mid_partition_then_resume_requests_only_the_missing(tmp_path: Path) -> None:
     layout = DataLayout.at(tmp_path / "data")
     journal_path = layout.responses_in_progress_path(KEY)
     script = tmp_path / "child.py"
@@ -66,20 +58,8 @@ def test_acceptance2_sigkill_mid_partition_then_resume_requests_only_the_missing
             stderr=subprocess.STDOUT,
             text=True,
         )
-        try:
-            deadline = time.monotonic() + 60
-            while _complete_lines(journal_path) < 300:
-                assert child.poll() is None, child.communicate()[0]
-                assert time.monotonic() < deadline, "the child never got going"
-                time.sleep(0.01)
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
+        with reaped(child):
+            sigkill_when(child, lambda: journal_lines(journal_path) >= 300, timeout_s=60, interval_s=0.01)
         assert child.returncode == -signal.SIGKILL
         assert not layout.responses_path(KEY).exists()  # killed before the end: no final file
 

@@ -20,14 +20,14 @@ import pytest
 
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.engine import Engine
 from eagle3_assets.generation.journal import Journal, read_journal
 from eagle3_assets.generation.replies import Completion
 from eagle3_assets.storage import DataLayout
-from support.common import error_chain, make_resources, write_jsonl
+from support.common import error_chain, make_resources, materialize_responses, write_jsonl
 from support.fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
+from support.reliability import quick_config
 
 KEY = "00000"
 # the field each lying fault gets wrong, as the failed row's error names it (stream: choices[0].delta...)
@@ -47,20 +47,14 @@ def _prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
 
 
 def _config(url: str, **overrides: Any) -> GenerationConfig:
+    """quick_config with few requests in flight, two attempts, and the core's connect timeout, benching and fsync."""
+    core = GenerationConfig(base_urls=[url])
     values: dict[str, Any] = dict(
-        base_urls=[url],
-        model="fake-model",
-        concurrency=4,
-        max_tokens=200,
-        max_attempts=2,
-        request_timeout_s=5.0,
-        idle_timeout_s=2.0,
-        backoff_base_s=0.01,
-        backoff_max_s=0.05,
-        progress_interval_s=60.0,
-    )
-    values.update(overrides)
-    return GenerationConfig(**values)
+        model="fake-model", concurrency=4, max_tokens=200, max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.05,
+        progress_interval_s=60.0, connect_timeout_s=core.connect_timeout_s,
+        bench_after_failures=core.bench_after_failures, fsync_interval_s=core.fsync_interval_s,
+    )  # fmt: skip
+    return quick_config(url, **{**values, **overrides})
 
 
 def _ids(fault: str) -> bool:
@@ -148,12 +142,10 @@ def test_a_key_refused_mid_run_fails_the_asset_so_nothing_is_materialized(
         resources = make_resources(layout, dataset, partition_size=30, inference_server=server)
         assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
         with pytest.raises(Exception) as caught:
-            dg.materialize(
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key=KEY,
-                instance=instance,
-                resources=resources,
+            materialize_responses(
+                KEY,
+                instance,
+                resources,
             )
     assert "refused the API key mid-run (HTTP 403" in error_chain(caught.value)
     assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None

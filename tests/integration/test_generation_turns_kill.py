@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.generation.turns import turns_store_path
 from eagle3_assets.storage import DataLayout
-from support.common import child_env
+from support.common import child_env, journal_lines, reaped, sigkill_when
 from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00025"
@@ -60,13 +59,6 @@ def make_prompts() -> list[PromptToGenerate]:
     ]
 
 
-def _lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(tmp_path: Path) -> None:
     layout = DataLayout.at(tmp_path / "data")
     journal_path = layout.responses_in_progress_path(KEY)
@@ -79,20 +71,8 @@ def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(
             [sys.executable, str(script), server.base_url, str(layout.root), str(N), str(TURNS)],
             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while _lines(journal_path) < 90:
-                assert child.poll() is None, child.communicate()[0]
-                assert time.monotonic() < deadline, "the child never got going"
-                time.sleep(0.005)
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
+        with reaped(child):
+            sigkill_when(child, lambda: journal_lines(journal_path) >= 90, timeout_s=60, interval_s=0.005)
         assert child.returncode == -signal.SIGKILL
         before = server.stats()
         contents = read_journal(journal_path)

@@ -17,87 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.local import vllm_cli
 from eagle3_assets.local import vllm_server as vs
-
-FAKE_API_SERVER = """
-import argparse, json, os, signal, sys, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--model"); parser.add_argument("--served-model-name"); parser.add_argument("--host")
-parser.add_argument("--port", type=int)
-args, rest = parser.parse_known_args()
-print("fake vllm argv", json.dumps(sys.argv[1:]), "cwd", os.getcwd(), flush=True)
-print("env", os.environ.get("VLLM_CPU_KVCACHE_SPACE"), os.environ.get("HF_HUB_OFFLINE"), flush=True)
-mode = os.environ.get("FAKE_VLLM_MODE", "ok")
-if mode == "crash":
-    print("RuntimeError: fake engine failed to start", flush=True)
-    sys.exit(3)
-if mode == "ignore-sigint":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-print("sigint handler", signal.getsignal(signal.SIGINT), flush=True)
-if mode == "hang":
-    time.sleep(3600)
-
-required = os.environ.get("FAKE_VLLM_REQUIRED_KEY")  # like vLLM's AuthenticationMiddleware on /v1/*
-
-class Handler(BaseHTTPRequestHandler):
-    def do_GET(self):
-        if required and self.path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {required}":
-            self.send_response(401); self.end_headers(); self.wfile.write(b'{"error": "Unauthorized"}')
-            return
-        body = json.dumps({"object": "list", "data": [{"id": args.served_model_name}]}).encode()
-        self.send_response(200 if self.path == "/v1/models" else 404)
-        self.send_header("Content-Type", "application/json"); self.end_headers(); self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-
-time.sleep(float(os.environ.get("FAKE_VLLM_DELAY_S", "0.5")))
-server = ThreadingHTTPServer((args.host, args.port), Handler)
-try:
-    server.serve_forever()
-except KeyboardInterrupt:
-    print("graceful shutdown", flush=True)
-"""
-
-
-@pytest.fixture
-def fake_env(tmp_path: Path) -> dict[str, str]:
-    pkg = tmp_path / "fakevllm" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for folder in (pkg, pkg.parent, pkg.parent.parent):
-        (folder / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_API_SERVER)
-    return {"PYTHONPATH": str(tmp_path / "fakevllm")}
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    return path
-
-
-def _config(tmp_path: Path, model_dir: Path, env: dict[str, str], **overrides: object) -> vs.VLLMServerConfig:
-    values: dict[str, object] = {
-        "model": model_dir,
-        "served_model_name": "tiny",
-        "port": vs.find_free_port(),
-        "python": Path(sys.executable),
-        "extra_env": env,
-        "log_dir": tmp_path / "logs",
-        "startup_timeout_s": 30.0,
-    }
-    values.update(overrides)
-    return vs.VLLMServerConfig(**values)  # type: ignore[arg-type]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return vs._only_zombies(pid)
+from support.stand_in_vllm import group_gone, stand_in_config
 
 
 def test_context_manager_starts_healthy_and_stops_gracefully(
@@ -109,7 +31,7 @@ def test_context_manager_starts_healthy_and_stops_gracefully(
     # Relative interpreter and draft paths are taken relative to the caller's cwd, not the server's (the log dir).
     relative_python = Path(os.path.relpath(sys.executable))
     # an explicit parser is passed as given (`auto` would find no tokenizer in this empty folder: no parser)
-    config = _config(
+    config = stand_in_config(
         tmp_path,
         model_dir,
         fake_env,
@@ -130,7 +52,7 @@ def test_context_manager_starts_healthy_and_stops_gracefully(
         pid = server.process.pid
         assert os.getpgid(pid) == pid  # own process group
         assert server.startup_s is not None and server.startup_s < 30
-    assert _gone(pid)
+    assert group_gone(pid)
     log = (tmp_path / "logs" / f"vllm-{config.port}.log").read_text()
     assert "graceful shutdown" in log  # stopped by SIGINT, not killed
     argv = json.loads(log.split("fake vllm argv ", 1)[1].split(" cwd ", 1)[0])
@@ -146,7 +68,7 @@ def test_context_manager_starts_healthy_and_stops_gracefully(
 def test_crash_during_startup_fails_fast_with_log_tail(
     tmp_path: Path, model_dir: Path, fake_env: dict[str, str]
 ) -> None:
-    server = vs.LocalVLLMServer(_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "crash"}))
+    server = vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "crash"}))
     started = time.monotonic()
     with pytest.raises(vs.VLLMServerError, match="exited with code 3") as info:
         server.start()
@@ -155,7 +77,7 @@ def test_crash_during_startup_fails_fast_with_log_tail(
 
 
 def test_startup_timeout_kills_the_server(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
-    config = _config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "hang"}, startup_timeout_s=3.0)
+    config = stand_in_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "hang"}, startup_timeout_s=3.0)
     server = vs.LocalVLLMServer(config)
     with pytest.raises(vs.VLLMServerError, match="did not answer"):
         server.start()
@@ -172,26 +94,30 @@ def _signal_state(pid: int) -> dict[str, str]:
 
 
 def test_stop_escalates_when_sigint_is_ignored(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
-    server = vs.LocalVLLMServer(_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "ignore-sigint"}))
+    server = vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, {**fake_env, "FAKE_VLLM_MODE": "ignore-sigint"}))
     server.start()
     pid = server.process.pid
     signals = _signal_state(pid)
     started = time.monotonic()
     code = server.stop(grace_s=1.0)
     assert code == -signal.SIGTERM, f"server's signal state before the stop: {signals}"
-    assert _gone(pid) and time.monotonic() - started < 15
+    assert group_gone(pid) and time.monotonic() - started < 15
 
 
 def test_port_in_use_and_reuse(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
-    config = _config(tmp_path, model_dir, fake_env)
+    config = stand_in_config(tmp_path, model_dir, fake_env)
     with vs.LocalVLLMServer(config) as first:
         with pytest.raises(vs.VLLMServerError, match="already used by a vLLM server"):
             vs.LocalVLLMServer(config).start()
-        reused = vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True))
+        reused = vs.LocalVLLMServer(
+            stand_in_config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True)
+        )
         with reused:
             assert reused.reused
         assert first.healthy()  # leaving the reusing context does not stop someone else's server
-        other = _config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True, served_model_name="x")
+        other = stand_in_config(
+            tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True, served_model_name="x"
+        )
         with pytest.raises(vs.VLLMServerError, match="not 'x'"):
             vs.LocalVLLMServer(other).start()
 
@@ -209,42 +135,42 @@ def test_a_server_that_refuses_the_key_fails_at_once_without_showing_it(
     sent, required = "sk-sent-0123456789", "sk-required-0123456789"
     monkeypatch.setenv("VLLM_API_KEY", sent)
     enforcing = {**fake_env, "FAKE_VLLM_REQUIRED_KEY": required}
-    server = vs.LocalVLLMServer(_config(tmp_path, model_dir, enforcing, startup_timeout_s=60.0))
+    server = vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, enforcing, startup_timeout_s=60.0))
     started = time.monotonic()
     with pytest.raises(vs.VLLMServerError, match="the server requires an API key") as info:
         server.start()
     assert time.monotonic() - started < 20 and server.process is None
     assert "refused the key" in str(info.value) and sent not in str(info.value) and required not in str(info.value)
 
-    config = _config(tmp_path, model_dir, {**enforcing, "VLLM_API_KEY": required})
+    config = stand_in_config(tmp_path, model_dir, {**enforcing, "VLLM_API_KEY": required})
     assert config.api_key() == required
     for extra in (["--api-key", "k1"], ["--api-key=k2"]):  # never on a command line: refused, value not repeated
         with pytest.raises(vs.VLLMServerError, match="--api-key is refused") as refused:
-            _config(tmp_path, model_dir, enforcing, extra_args=extra)
+            stand_in_config(tmp_path, model_dir, enforcing, extra_args=extra)
         assert "k1" not in str(refused.value) and "k2" not in str(refused.value)
     with vs.LocalVLLMServer(config) as running:
         assert running.healthy()
         assert vs.list_models(running.base_url) is None
         assert vs.list_models(running.base_url, api_key=required) == ["tiny"]
-        reuse = _config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True)  # sends `sent`
+        reuse = stand_in_config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True)  # sends `sent`
         with pytest.raises(vs.VLLMServerError, match=r"cannot reuse .* requires an API key") as info:
             vs.LocalVLLMServer(reuse).start()
         assert sent not in str(info.value)
         with pytest.raises(vs.VLLMServerError, match="already used by a server that answers 401"):
-            vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, port=config.port)).start()
-        assert vs.main(["status", "--port", str(config.port)]) == 1
+            vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, fake_env, port=config.port)).start()
+        assert vllm_cli.main(["status", "--port", str(config.port)]) == 1
         assert "the server requires an API key" in capsys.readouterr().out
         monkeypatch.setenv("VLLM_API_KEY", required)
-        assert vs.main(["status", "--port", str(config.port)]) == 0
+        assert vllm_cli.main(["status", "--port", str(config.port)]) == 0
     log = (tmp_path / "logs" / f"vllm-{config.port}.log").read_text()
     assert sent not in log and required not in log
 
 
 def test_missing_interpreter_and_model(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
     with pytest.raises(vs.VLLMNotInstalledError, match="make install-vllm"):
-        vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, python=tmp_path / "nope" / "python")).start()
+        vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, fake_env, python=tmp_path / "nope" / "python")).start()
     with pytest.raises(vs.VLLMServerError, match="does not exist"):
-        vs.LocalVLLMServer(_config(tmp_path, tmp_path / "no-model", fake_env)).start()
+        vs.LocalVLLMServer(stand_in_config(tmp_path, tmp_path / "no-model", fake_env)).start()
 
 
 def _cli_env(fake_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
@@ -258,7 +184,7 @@ def _cli_env(fake_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 def test_cli_start_status_stop(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
     env = _cli_env(fake_env, tmp_path)
     port = str(vs.find_free_port())
-    base = [sys.executable, "-m", "eagle3_assets.local.vllm_server"]
+    base = [sys.executable, "-m", "eagle3_assets.local.vllm_cli"]
     start = subprocess.run(
         [*base, "start", "--model", str(model_dir), "--port", port, "--served-model-name", "tiny"],
         env=env,
@@ -273,13 +199,13 @@ def test_cli_start_status_stop(tmp_path: Path, model_dir: Path, fake_env: dict[s
     stop = subprocess.run([*base, "stop", "--port", port], env=env, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0, stop.stderr
     assert not pid_file.exists()
-    assert _gone(pid)
+    assert group_gone(pid)
     assert subprocess.run([*base, "status", "--port", port], env=env, timeout=30).returncode == 1
     again = subprocess.run([*base, "stop", "--port", port], env=env, capture_output=True, text=True, timeout=30)
     assert again.returncode == 0 and "nothing to stop" in again.stdout
 
 
-SERVE = [sys.executable, "-m", "eagle3_assets.local.vllm_server", "serve"]
+SERVE = [sys.executable, "-m", "eagle3_assets.local.vllm_cli", "serve"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -13,12 +13,12 @@ from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
-    dagster_daemon,
+    backfill_missing_through_daemon,
     initialize_storage,
     make_dagster_home,
     materialize_partitions,
     pipeline_env,
-    wait_for,
+    sync_records_what_is_on_disk,
     write_prompts,
     write_workspace,
 )
@@ -97,40 +97,10 @@ def test_backfill_runs_through_the_daemon(tmp_path: Path, monkeypatch: pytest.Mo
         # instance's SQLite schemas are created before it (two processes creating them at once collide).
         with dg.DagsterInstance.get() as instance:
             initialize_storage(instance)
-        with (
-            dagster_daemon(workspace, env, tmp_path / "daemon.log") as daemon,
-            dg.DagsterInstance.get() as instance,
-        ):
-            materialize_partitions(instance, layout, dataset, 4, server.base_url, ok=["00000"], failed=["00001"])
-            capsys.readouterr()  # drop the runs' output
-            assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
-            backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
-            assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
-
-            def done() -> bool:
-                assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
-                runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-                return len(runs) == 2 and all(run.is_finished for run in runs)
-
-            try:
-                wait_for(done, 300, f"the runs of backfill {backfill_id}", interval_s=2)
-            except TimeoutError:
-                print((tmp_path / "daemon.log").read_text()[-5000:])
-                raise
-            runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-            assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
-            assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
-            assert backfill.plan_missing(instance, downstream=False).empty
-            stored = instance.get_backfill(backfill_id)
-            assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
+        backfill_missing_through_daemon(workspace, env, layout, dataset, server.base_url, capsys)
     assert sorted(layout.partition_files("synthetic_responses")) == ["00000", "00001", "00002"]
 
     # DAGSTER_HOME lost: a fresh instance sees every partition as missing until `eagle3 sync` records the files.
     fresh = make_dagster_home(tmp_path / "new")
     monkeypatch.setenv("DAGSTER_HOME", str(fresh))
-    assert cli.main(["sync"]) == 0
-    assert "4 recorded" in capsys.readouterr().out  # raw_prompts and the 3 partitions
-    assert cli.main(["backfill", "--missing", "--no-downstream", "--dry-run"]) == 0
-    assert "nothing missing or failed among 3 partitions" in capsys.readouterr().out
-    assert cli.main(["status"]) == 0
-    assert "summary: 3 both" in capsys.readouterr().out
+    sync_records_what_is_on_disk(capsys)

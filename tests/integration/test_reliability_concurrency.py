@@ -20,11 +20,10 @@ import pytest
 
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout, PartitionBusyError
-from support.common import child_env, make_resources, write_jsonl
+from support.common import child_env, make_resources, materialize_responses, reaped, write_jsonl
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import journal_lines, make_prompts, quick_config, wait_for
 
@@ -57,14 +56,8 @@ def first_writer(tmp_path: Path, url: str, layout: DataLayout, key: str) -> Iter
         text=True,
         cwd=tmp_path,
     )
-    try:
+    with reaped(child):
         yield child
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
 
 
 def _dataset(tmp_path: Path, n: int) -> Path:
@@ -121,12 +114,10 @@ def test_second_run_of_a_running_partition_fails_at_once_and_the_first_completes
 
             # 2) a Dagster materialization of the same partition (a double click in the UI)
             started = time.monotonic()
-            result = dg.materialize(
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key=key,
-                instance=instance,
-                resources=resources,
+            result = materialize_responses(
+                key,
+                instance,
+                resources,
                 raise_on_error=False,
             )
             assert not result.success and time.monotonic() - started < 20

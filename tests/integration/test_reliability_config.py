@@ -17,10 +17,9 @@ import pytest
 from eagle3_assets import settings
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.storage import DataLayout
-from support.common import child_env, error_chain, make_resources, write_jsonl
+from support.common import child_env, error_chain, make_resources, materialize_responses, write_jsonl
 from support.fake_vllm import FakeConfig, get_json, serve_in_thread
 from support.reliability import closed_port_url, make_prompts, quick_config
 
@@ -40,10 +39,20 @@ from support.reliability import closed_port_url, make_prompts, quick_config
         ("EAGLE3_MAX_REJECT_SHARE", "2", "between 0 and 1"),
         ("EAGLE3_REQUEST_TIMEOUT_S", "nan", "must be a positive number"),
         ("EAGLE3_STREAM", "maybe", "must be true or false"),
+        ("EAGLE3_TEMPERATURE", "-1", "must be a number >= 0 (or empty)"),
+        ("EAGLE3_TRANSPORT", "pigeon", "must be 'openai' or 'aiohttp'"),
+        ("EAGLE3_EXTRA_BODY", "[1]", "must be a JSON object"),
+        ("EAGLE3_LAYER_IDS", "1,x", "comma-separated integers"),
+        ("EAGLE3_DATA_DIR", "  ", "must not be empty"),
+        ("EAGLE3_REQUEST_TIMEOUT_S", "inf", "must be a positive number"),
+        ("EAGLE3_HIDDEN_STATES_BACKEND", "trt", "must be 'hf' or 'vllm'"),
+        ("EAGLE3_DEVICE", "gpu0", "must be auto, cpu, cuda or cuda:N"),
+        ("EAGLE3_HIDDEN_STATES_URL", "hs-0:8000", "is not an http"),
+        ("EAGLE3_TRAIN_PROCS", "0", "must be a positive integer"),
     ],
 )
 def test_bad_environment_values_name_the_key(key: str, value: str, why: str) -> None:
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
 
     with pytest.raises(settings.ConfigError) as raised:
         env_value(key, {key: value})
@@ -103,12 +112,10 @@ def test_bad_inference_settings_fail_the_run_before_any_request(
             with pytest.raises(settings.ConfigError) as raised:
                 RemoteVLLMResource(**{"base_url": base_url, **overrides})
             assert expected in str(raised.value), overrides
-            result = dg.materialize(  # the launchpad path: the run fails before any request
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key="00000",
-                instance=instance,
-                resources=good,
+            result = materialize_responses(  # the launchpad path: the run fails before any request
+                "00000",
+                instance,
+                good,
                 raise_on_error=False,
                 run_config={"resources": {"inference_server": {"config": overrides}}},
             )
@@ -140,12 +147,10 @@ def test_unreachable_server_through_dagster_fails_the_run_naming_the_url(
     )
     assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
     with pytest.raises(Exception) as raised:
-        dg.materialize(
-            [raw_prompts, synthetic_responses],
-            selection=[synthetic_responses],
-            partition_key="00000",
-            instance=instance,
-            resources=resources,
+        materialize_responses(
+            "00000",
+            instance,
+            resources,
         )
     assert url in error_chain(raised.value)
     assert not layout.responses_in_progress_path("00000").exists()
@@ -211,7 +216,7 @@ def test_refused_connection_is_reported_as_a_connection_error(layout: DataLayout
     ],
 )
 def test_layer_ids_out_of_range_name_the_key(layer_ids: list[int], why: str) -> None:
-    from eagle3_assets.hidden_states.backends import resolve_layer_ids
+    from eagle3_assets.verifier import resolve_layer_ids
 
     with pytest.raises(settings.ConfigError) as raised:
         resolve_layer_ids(layer_ids, 4)

@@ -1,6 +1,6 @@
 """Issue 14, processes and secrets: the embedded vLLM dies with its parent, only a server this project started for
 the same model is reused, a key never travels on a command line or survives a cut, the launchpad cannot pick the
-variable the key is read from. Against the stand-in vLLM of tests/test_local_vllm_server.py (seconds, no vLLM)."""
+variable the key is read from. Against the stand-in vLLM of tests/support/stand_in_vllm.py (seconds, no vLLM)."""
 
 from __future__ import annotations
 
@@ -13,34 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_local_vllm_server import FAKE_API_SERVER, _config, _gone
 
 from eagle3_assets.generation import GenerationConfig
 from eagle3_assets.local import vllm_server as vs
 from support.common import child_env
+from support.stand_in_vllm import group_gone, stand_in_config
 
 SERVE_ARGS = ("--served-model-name", "tiny", "--host", "127.0.0.1", "--port")
 
 
-@pytest.fixture
-def fake_env(tmp_path: Path) -> dict[str, str]:
-    pkg = tmp_path / "fakevllm" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for folder in (pkg, pkg.parent, pkg.parent.parent):
-        (folder / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_API_SERVER)
-    return {"PYTHONPATH": str(tmp_path / "fakevllm")}
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    return path
-
-
 def test_the_server_dies_when_its_parent_is_killed(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
-    config = _config(tmp_path, model_dir, fake_env)
+    config = stand_in_config(tmp_path, model_dir, fake_env)
     script = tmp_path / "parent.py"
     script.write_text(
         textwrap.dedent(
@@ -62,15 +45,15 @@ def test_the_server_dies_when_its_parent_is_killed(tmp_path: Path, model_dir: Pa
     assert parent.stdout is not None
     server_pid = int(parent.stdout.readline())
     try:
-        assert not _gone(server_pid)
+        assert not group_gone(server_pid)
         parent.send_signal(signal.SIGKILL)  # no cleanup code of the parent runs
         parent.wait(10)
         deadline = time.monotonic() + 20
-        while not _gone(server_pid) and time.monotonic() < deadline:
+        while not group_gone(server_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(server_pid), "the server outlived its parent"
+        assert group_gone(server_pid), "the server outlived its parent"
     finally:
-        if not _gone(server_pid):
+        if not group_gone(server_pid):
             vs.stop_process_group(server_pid, grace_s=1.0)
         parent.stdout.close()
 
@@ -90,26 +73,28 @@ def test_only_a_server_this_project_started_for_the_same_model_is_reused(
         while vs.list_models(f"http://127.0.0.1:{port}/v1") is None and time.monotonic() < deadline:
             time.sleep(0.1)
         with pytest.raises(vs.VLLMServerError, match=r"cannot reuse .* not started by eagle3"):
-            vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, port=port, reuse_existing=True)).start()
+            vs.LocalVLLMServer(stand_in_config(tmp_path, model_dir, fake_env, port=port, reuse_existing=True)).start()
     finally:
         vs.stop_process_group(stranger.pid, grace_s=1.0, process=stranger)
 
     other_model = tmp_path / "other-model"
     other_model.mkdir()
-    config = _config(tmp_path, model_dir, fake_env)
+    config = stand_in_config(tmp_path, model_dir, fake_env)
     with vs.LocalVLLMServer(config):
         # same served name, another model folder: not the same model
-        same_name = _config(tmp_path, other_model, fake_env, port=config.port, reuse_existing=True)
+        same_name = stand_in_config(tmp_path, other_model, fake_env, port=config.port, reuse_existing=True)
         with pytest.raises(vs.VLLMServerError, match="serves the model folder"):
             vs.LocalVLLMServer(same_name).start()
-        reused = vs.LocalVLLMServer(_config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True))
+        reused = vs.LocalVLLMServer(
+            stand_in_config(tmp_path, model_dir, fake_env, port=config.port, reuse_existing=True)
+        )
         assert reused.start().reused
 
 
 def test_an_api_key_in_extra_args_is_refused_before_anything_starts(tmp_path: Path, model_dir: Path) -> None:
     for extra in (["--api-key", "sk-secret-123456"], ["--api-key=sk-secret-123456"]):
         with pytest.raises(vs.VLLMServerError, match="--api-key is refused") as refused:
-            _config(tmp_path, model_dir, {}, extra_args=extra)
+            stand_in_config(tmp_path, model_dir, {}, extra_args=extra)
         assert "sk-secret" not in str(refused.value)
 
 

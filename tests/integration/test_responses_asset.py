@@ -9,9 +9,8 @@ import polars as pl
 
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.storage import DataLayout, partition_row_counts
-from support.common import make_resources, write_jsonl
+from support.common import make_resources, materialize_responses, write_jsonl
 from support.fake_vllm import FakeConfig, serve_in_thread
 
 
@@ -25,12 +24,10 @@ def test_partitions_materialize_with_metadata_and_checks(
         )
         assert dg.materialize([raw_prompts], instance=instance, resources=resources).success
         for key in ("00000", "00002"):
-            result = dg.materialize(
-                [raw_prompts, synthetic_responses],
-                selection=[synthetic_responses],
-                partition_key=key,
-                instance=instance,
-                resources=resources,
+            result = materialize_responses(
+                key,
+                instance,
+                resources,
             )
             assert result.success
             metadata = result.asset_materializations_for_node("synthetic_responses")[0].metadata

@@ -18,9 +18,8 @@ from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.resources import default_resources, env_value, settings_classes, settings_markdown
-from eagle3_assets.defs.responses import synthetic_responses
-from support.common import write_jsonl
+from eagle3_assets.defs.registry import default_resources, env_value, settings_classes, settings_markdown
+from support.common import materialize_responses, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,12 +45,10 @@ def test_bad_env_value_loads_the_location_and_fails_only_the_run_that_uses_it(
     defs = build_definitions()  # loads although EAGLE3_CONCURRENCY is bad
     assert defs.resources["inference_server"].concurrency == 128
     assert dg.materialize([raw_prompts], instance=instance, resources=defs.resources).success  # does not use it
-    result = dg.materialize(
-        [raw_prompts, synthetic_responses],
-        selection=[synthetic_responses],
-        partition_key="00000",
-        instance=instance,
-        resources=defs.resources,
+    result = materialize_responses(
+        "00000",
+        instance,
+        defs.resources,
         raise_on_error=False,
     )
     assert not result.success
@@ -79,23 +76,6 @@ def test_launchpad_defaults_are_the_effective_environment_values() -> None:
     assert schema["concurrency"] == 7 and schema["temperature"] == 0.3 and schema["stream"] is True
     bad = default_resources({"EAGLE3_CONCURRENCY": "0"})  # a bad value keeps the declared default at load
     assert bad["inference_server"].concurrency == 128
-
-
-@pytest.mark.parametrize(
-    ("key", "value", "why"),
-    [
-        ("EAGLE3_TEMPERATURE", "-1", "must be a number >= 0 (or empty)"),
-        ("EAGLE3_TRANSPORT", "pigeon", "must be 'openai' or 'aiohttp'"),
-        ("EAGLE3_EXTRA_BODY", "[1]", "must be a JSON object"),
-        ("EAGLE3_LAYER_IDS", "1,x", "comma-separated integers"),
-        ("EAGLE3_DATA_DIR", "  ", "must not be empty"),
-        ("EAGLE3_REQUEST_TIMEOUT_S", "inf", "must be a positive number"),
-    ],
-)
-def test_every_check_names_the_key(key: str, value: str, why: str) -> None:
-    with pytest.raises(settings.ConfigError) as raised:
-        env_value(key, {key: value})
-    assert str(raised.value).startswith(f"{key}={value!r}: ") and why in str(raised.value)
 
 
 def test_empty_optional_means_none_and_values_are_typed() -> None:

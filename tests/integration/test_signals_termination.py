@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import dagster as dg
-import polars as pl
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
@@ -25,6 +24,7 @@ from support.signals import (
     log_text,
     make_pipeline,
     materialize_command,
+    resume_requests_only_the_rest,
     run,
     wait_until,
 )
@@ -94,11 +94,4 @@ def test_terminate_from_the_ui_cancels_a_generating_run_which_then_resumes(tmp_p
         with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
             assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None
 
-        server.reset_stats()
-        assert run(pipeline, materialize_command("synthetic_responses", KEY), "resume") == 0, log_text(
-            pipeline, "resume"
-        )
-        requested = server.stats()["total_requests"]
-    frame = pl.read_parquet(layout.responses_path(KEY))
-    assert frame.height == PROMPTS and set(frame["status"]) == {"ok"}
-    assert requested == PROMPTS - len(kept)
+        resume_requests_only_the_rest(pipeline, server, KEY, PROMPTS, len(kept))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets.storage import DataLayout
 
@@ -33,6 +38,14 @@ def write_jsonl(path: Path, rows: Iterable[object]) -> Path:
     return path
 
 
+def journal_lines(path: Path) -> int:
+    """Complete lines of a journal (0 before it exists)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
 def make_resources(layout: DataLayout, prompts_path: Path, partition_size: int = 1000, **extra: object) -> dict:
     from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
 
@@ -41,6 +54,24 @@ def make_resources(layout: DataLayout, prompts_path: Path, partition_size: int =
         "prompt_dataset": PromptDatasetResource(path=str(prompts_path), partition_size=partition_size),
         **extra,
     }
+
+
+def materialize_responses(key: str, instance: Any, resources: dict, **options: Any) -> Any:
+    """``synthetic_responses`` of partition ``key`` (with ``raw_prompts`` as its upstream) through ``dg.materialize``;
+    ``options`` are dg.materialize's (``raise_on_error``, ``run_config``)."""
+    import dagster as dg
+
+    from eagle3_assets.defs.prompts import raw_prompts
+    from eagle3_assets.defs.responses import synthetic_responses
+
+    return dg.materialize(
+        [raw_prompts, synthetic_responses],
+        selection=[synthetic_responses],
+        partition_key=key,
+        instance=instance,
+        resources=resources,
+        **options,
+    )
 
 
 def error_chain(error: BaseException) -> str:
@@ -52,3 +83,29 @@ def error_chain(error: BaseException) -> str:
         parts.append(str(current))
         current = current.__cause__ or current.__context__
     return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def reaped(child: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
+    """``child``, killed and waited for (its stdout closed) however the block ends: no process outlives a test."""
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def sigkill_when(
+    child: subprocess.Popen[Any], reached: Callable[[], bool], timeout_s: float, interval_s: float
+) -> None:
+    """SIGKILL ``child`` as soon as ``reached()``; fails with its output if it ends first or never gets there."""
+    deadline = time.monotonic() + timeout_s
+    while not reached():
+        assert child.poll() is None, child.communicate()[0]
+        assert time.monotonic() < deadline, "the child never got going"
+        time.sleep(interval_s)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)

@@ -15,17 +15,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from support import fake_responses as responses
 from support.fake_capacity import Scheduler
 from support.fake_faults import LYING_FAULTS, FakeConfig, draw_fault, lie
-from support.fake_responses import (
-    Completion,
-    prompt_key,
-    prompt_token_ids,
-    prompt_tokens,
-    response_length,
-    token_ids,
-    token_text,
-)
 
 _REASONS = {
     200: "OK",
@@ -230,7 +222,7 @@ class _Connection(asyncio.Protocol):
             self.respond(400, _error_body(400, "invalid request body", "BadRequestError"))
             return
         stats = app.stats
-        key = prompt_key(messages)
+        key = responses.prompt_key(messages)
         seen = stats.requests[key]
         stats.requests[key] += 1
         stats.total += 1
@@ -251,7 +243,7 @@ class _Connection(asyncio.Protocol):
             stats.outcomes["404"] += 1
             self.respond(404, _error_body(404, f"The model `{model}` does not exist.", "NotFoundError"))
             return
-        n_prompt = prompt_tokens(messages)
+        n_prompt = responses.prompt_tokens(messages)
         if n_prompt > config.max_model_len:
             stats.outcomes["400"] += 1
             message = (
@@ -261,7 +253,7 @@ class _Connection(asyncio.Protocol):
             self.respond(400, _error_body(400, message, "BadRequestError"))
             return
         max_tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
-        n, finish = response_length(messages, config, max_tokens)
+        n, finish = responses.response_length(messages, config, max_tokens)
         fault = draw_fault(key, seen, config)
         stats.outcomes[fault or "ok"] += 1
         if fault == "error_500":
@@ -276,7 +268,9 @@ class _Connection(asyncio.Protocol):
             return
         stream = bool(request.get("stream"))
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
-        ctx = Completion(key, n, n_prompt, finish, config, fault, include_usage, bool(request.get("return_token_ids")))
+        ctx = responses.Completion(
+            key, n, n_prompt, finish, config, fault, include_usage, bool(request.get("return_token_ids"))
+        )
         scheduler = app.scheduler
         await scheduler.admit()  # beyond max_num_seqs a request waits here, as in vLLM's waiting queue
         try:
@@ -287,7 +281,7 @@ class _Connection(asyncio.Protocol):
         finally:
             scheduler.release()
 
-    async def _complete(self, c: Completion) -> None:
+    async def _complete(self, c: responses.Completion) -> None:
         await asyncio.sleep(c.config.ttft_s + c.n / c.config.token_rate)
         if c.fault == "non_completion":
             self.respond(200, b'{"status": "ok", "detail": "this is not a chat completion"}')
@@ -308,9 +302,9 @@ class _Connection(asyncio.Protocol):
             "prompt_logprobs": None,
         }
         if c.return_token_ids:  # vLLM's shape: prompt ids at the top, completion ids in the choice
-            data["prompt_token_ids"] = prompt_token_ids(c.key, c.n_prompt)
+            data["prompt_token_ids"] = responses.prompt_token_ids(c.key, c.n_prompt)
             for choice in data["choices"]:
-                choice["token_ids"] = token_ids(c.key, 0, c.n)
+                choice["token_ids"] = responses.token_ids(c.key, 0, c.n)
         if c.fault in LYING_FAULTS:
             lie(c.fault, message, c.config.reasoning_field)
         body = json.dumps(data).encode()
@@ -329,7 +323,7 @@ class _Connection(asyncio.Protocol):
             if c.fault is None:
                 self.app.stats.completed += 1
 
-    async def _stream(self, c: Completion) -> None:
+    async def _stream(self, c: responses.Completion) -> None:
         config = c.config
         self.write(_head(200, "text/event-stream; charset=utf-8", None))
         created = int(time.time())
@@ -341,7 +335,7 @@ class _Connection(asyncio.Protocol):
         if c.fault == "reasoning_object":  # also when the answer has no reasoning tokens to carry the lie
             first = first.replace(b'"content":""', b'"content":"","reasoning":{}')
         if c.return_token_ids:  # vLLM sends the prompt's ids once, in the first chunk
-            first += b',"prompt_token_ids":' + json.dumps(prompt_token_ids(c.key, c.n_prompt)).encode()
+            first += b',"prompt_token_ids":' + json.dumps(responses.prompt_token_ids(c.key, c.n_prompt)).encode()
         self.write(_chunk(prefix + first + b"}\n\n"))
         n_reasoning = c.n_reasoning
         field_name = config.reasoning_field
@@ -359,7 +353,7 @@ class _Connection(asyncio.Protocol):
             if sent < n_reasoning:
                 upto = min(ready, n_reasoning)
                 if field_name != "none":
-                    text = json.dumps(token_text(c.key, sent, upto - sent))
+                    text = json.dumps(responses.token_text(c.key, sent, upto - sent))
                     if c.fault == "reasoning_object":
                         text = f'{{"text":{text}}}'
                     parts.append(
@@ -368,7 +362,7 @@ class _Connection(asyncio.Protocol):
                     )
                 sent = upto
             if ready > sent:
-                text = json.dumps(token_text(c.key, sent, ready - sent))
+                text = json.dumps(responses.token_text(c.key, sent, ready - sent))
                 if c.fault == "content_list":
                     text = f'[{{"type":"text","text":{text}}}]'
                 parts.append(

@@ -3,6 +3,7 @@ server, a failed partition, and a dagster-daemon subprocess. No tests here."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,11 +13,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
 from eagle3_assets.storage import DataLayout
-from support.common import REPO_ROOT, make_resources, write_jsonl
+from support.common import REPO_ROOT, make_resources, materialize_responses, write_jsonl
 
 
 def make_dagster_home(root: Path) -> Path:
@@ -65,7 +67,6 @@ def materialize_partitions(
     """raw_prompts, then ``ok`` partitions against the server and ``failed`` ones against a dead port."""
     from eagle3_assets.defs.inference import RemoteVLLMResource
     from eagle3_assets.defs.prompts import raw_prompts
-    from eagle3_assets.defs.responses import synthetic_responses
 
     def resources(url: str) -> dict:
         server = RemoteVLLMResource(base_url=url, concurrency=8, max_attempts=1, request_timeout_s=5)
@@ -74,12 +75,10 @@ def materialize_partitions(
     if with_raw_prompts:
         assert dg.materialize([raw_prompts], instance=instance, resources=resources(base_url)).success
     for key, url in [(k, base_url) for k in ok] + [(k, "http://127.0.0.1:9/v1") for k in failed]:
-        result = dg.materialize(
-            [raw_prompts, synthetic_responses],
-            selection=[synthetic_responses],
-            partition_key=key,
-            instance=instance,
-            resources=resources(url),
+        result = materialize_responses(
+            key,
+            instance,
+            resources(url),
             raise_on_error=False,
         )
         assert result.success == (key in ok), f"partition {key}: success={result.success}"
@@ -142,3 +141,60 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interva
             return
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def wait_for_backfill(
+    instance: dg.DagsterInstance, daemon: subprocess.Popen[bytes], daemon_log: Path, backfill_id: str, runs: int
+) -> list[dg.DagsterRun]:
+    """The ``runs`` runs of a backfill once all have finished under ``daemon`` (its log printed on a timeout)."""
+    tags = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
+
+    def done() -> bool:
+        assert daemon.poll() is None, daemon_log.read_text()[-3000:]
+        found = instance.get_runs(tags)
+        return len(found) == runs and all(run.is_finished for run in found)
+
+    try:
+        wait_for(done, 300, f"the runs of backfill {backfill_id}", interval_s=2)
+    except TimeoutError:
+        print(daemon_log.read_text()[-5000:])
+        raise
+    return list(instance.get_runs(tags))
+
+
+def backfill_missing_through_daemon(
+    workspace: Path, env: dict[str, str], layout: DataLayout, dataset: Path, base_url: str, capsys: Any
+) -> str:
+    """With ``dagster-daemon`` running over ``workspace`` (its log beside it): partition 00000 ok, 00001 failed,
+    00002 missing (12 prompts, 4 a partition); ``eagle3 backfill --missing`` launches one backfill that the daemon
+    runs to exactly 00001 and 00002, both successful. Returns the backfill's id."""
+    from eagle3_assets import cli
+    from eagle3_assets.operations import backfill
+
+    log = workspace.parent / "daemon.log"
+    with dagster_daemon(workspace, env, log) as daemon, dg.DagsterInstance.get() as instance:
+        materialize_partitions(instance, layout, dataset, 4, base_url, ok=["00000"], failed=["00001"])
+        capsys.readouterr()  # drop the runs' output
+        assert cli.main(["backfill", "--missing", "--no-downstream", "--json"]) == 0
+        backfill_id = json.loads(capsys.readouterr().out)["backfill_id"]
+        assert backfill.backfill_targets(instance, backfill_id) == {"synthetic_responses": ["00001", "00002"]}
+        runs = wait_for_backfill(instance, daemon, log, backfill_id, runs=2)
+        assert sorted(run.tags["dagster/partition"] for run in runs) == ["00001", "00002"]
+        assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in runs)
+        assert backfill.plan_missing(instance, downstream=False).empty
+        stored = instance.get_backfill(backfill_id)
+        assert stored is not None and stored.status.value not in ("FAILED", "CANCELED", "COMPLETED_FAILED")
+    return backfill_id
+
+
+def sync_records_what_is_on_disk(capsys: Any) -> None:
+    """With DAGSTER_HOME pointing at an empty instance: ``eagle3 sync`` records raw_prompts and the 3 partitions on
+    disk, after which nothing is missing and ``eagle3 status`` finds disk and Dagster agreeing."""
+    from eagle3_assets import cli
+
+    assert cli.main(["sync"]) == 0
+    assert "4 recorded" in capsys.readouterr().out  # raw_prompts and the 3 partitions
+    assert cli.main(["backfill", "--missing", "--no-downstream", "--dry-run"]) == 0
+    assert "nothing missing or failed among 3 partitions" in capsys.readouterr().out
+    assert cli.main(["status"]) == 0
+    assert "summary: 3 both" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
-from support.common import child_env
+from support.common import child_env, journal_lines, reaped  # noqa: F401 (journal_lines: tests import it from here)
 from support.fake_vllm import FakeConfig, config_to_args, get_json, post_json, prompt_key
 
 
@@ -121,13 +121,6 @@ def restartable_server(config: FakeConfig) -> Iterator[RestartableServer]:
         server.crash()
 
 
-def journal_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.01) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -150,7 +143,7 @@ def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: f
         text=True,
         cwd=script.parent,
     )
-    try:
+    with reaped(child):
         assert child.stdout is not None and child.stdout.readline().strip() == "START"
         deadline = time.monotonic() + timeout_s
         while not reached() and child.poll() is None:
@@ -164,12 +157,6 @@ def sigkill_child_when(script: Path, args: list[str], reached: Any, timeout_s: f
         assert child.returncode == -signal.SIGKILL, (
             f"{script.name} exited with {child.returncode}, not by SIGKILL: {output}"
         )
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
 
 
 def block_before_rename(argv_index: int) -> str:

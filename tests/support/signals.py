@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from support.common import child_env
+from support.common import child_env, journal_lines  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
 # The issue's bound: a run stops within 30 s of the signal (the code aims at a few seconds).
@@ -171,11 +172,11 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, within_s: float = S
     return Stopped(code, seconds, alive(tree | descendants(proc.pid)))
 
 
-def journal_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
+def assert_stopped(stopped: Stopped, output: str, what: str) -> None:
+    """The run ended, non-zero, within STOP_WITHIN_S of ``what`` (a signal) and left no process behind."""
+    assert stopped.code is not None, f"still running {STOP_WITHIN_S:.0f} s after {what}:\n{output[-3000:]}"
+    assert stopped.code != 0 and stopped.seconds < STOP_WITHIN_S, output[-3000:]
+    assert not stopped.left_behind, f"processes left running: {stopped.left_behind}"
 
 
 class HangingServer:
@@ -223,3 +224,18 @@ class HangingServer:
         self._release.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+def resume_requests_only_the_rest(pipeline: Pipeline, server: Any, key: str, prompts: int, kept: int) -> str:
+    """Re-materializing ``synthetic_responses`` partition ``key`` after a stopped run asks ``server`` only for the
+    ``prompts - kept`` samples not journaled and completes the partition; returns the resume's log."""
+    import polars as pl
+
+    from eagle3_assets.storage import DataLayout
+
+    server.reset_stats()
+    assert run(pipeline, materialize_command("synthetic_responses", key), "resume") == 0, log_text(pipeline, "resume")
+    assert server.stats()["total_requests"] == prompts - kept  # the resume asked only for what was not journaled
+    frame = pl.read_parquet(DataLayout.at(pipeline.data_dir).responses_path(key))
+    assert frame.height == prompts and set(frame["status"]) == {"ok"}
+    return log_text(pipeline, "resume")

@@ -56,6 +56,18 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="session")
+def vllm_tiny_verifier() -> Path:
+    """The tests' cached tiny verifier, for tests that start their own vLLM on it (skipped without the vLLM venv)."""
+    from support.hidden_states_data import cached_tiny_verifier
+
+    try:
+        check_vllm_python()
+    except VLLMNotInstalledError as exc:
+        pytest.skip(f"local vLLM not installed: {exc}")
+    return cached_tiny_verifier()
+
+
+@pytest.fixture(scope="session")
 def hidden_states_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(base URL, shared storage folder) of a CPU vLLM in hidden-states extraction mode on the tests' cached tiny
     verifier (layer ids 1,2,3), started and stopped through ``eagle3 serve-local start/stop --hidden-states``."""
@@ -73,7 +85,7 @@ def hidden_states_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     port = find_free_port()
     logs = tmp_path_factory.mktemp("hs-vllm-logs")
     storage = tmp_path_factory.mktemp("hs-transfer")
-    cli = [sys.executable, "-m", "eagle3_assets.local.vllm_server"]
+    cli = [sys.executable, "-m", "eagle3_assets.local.vllm_cli"]
     where = ["--port", str(port), "--log-dir", str(logs)]
     start = [*cli, "start", *where, "--model", str(cached_tiny_verifier()), "--served-model-name", "tiny-verifier"]
     subprocess.run([*start, "--hidden-states", "--layer-ids", "1,2,3", "--storage", str(storage)], check=True)

@@ -3,6 +3,7 @@ several endpoints, API keys (issue 3, acceptance 1, 3 and 5)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -15,21 +16,17 @@ from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import (
-    FakeConfig,
-    FakeServerProcess,
-    prompt_key,
-    prompt_token_ids,
-    prompt_tokens,
-    response_length,
-    token_ids,
-    token_text,
-)
+from support import fake_responses as served
+from support.fake_vllm import FakeConfig, FakeServerProcess
+from support.reliability import quick_config
 
 KEY = "00000"
 ACCEPTANCE_FAULTS = {"error_500": 0.05, "error_429": 0.02, "reset": 0.02, "hang": 0.01, "truncate": 0.01}
 # every fault kind the fake server injects: the acceptance rates plus 2% of each bad-body kind
 EVERY_FAULT = {**ACCEPTANCE_FAULTS, "invalid_json": 0.02, "non_completion": 0.02, "empty_choices": 0.02}
+EVERY_FAULT_SERVER = FakeConfig(
+    token_rate=5000, median_tokens=40, hang_s=60, stream_interval_s=0.01, faults=EVERY_FAULT
+)
 
 
 def make_prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
@@ -45,21 +42,12 @@ def make_prompts(n: int, tag: str = "q") -> list[PromptToGenerate]:
     ]
 
 
+# quick_config with more requests in flight and still shorter timeouts (connect: the core's default)
+FAST = dict(concurrency=64, request_timeout_s=2.0, idle_timeout_s=1.0, backoff_base_s=0.02, backoff_max_s=0.3)
+
+
 def fast_config(*urls: str, **overrides: object) -> GenerationConfig:
-    values: dict[str, object] = dict(
-        base_urls=list(urls),
-        concurrency=64,
-        max_tokens=2000,
-        request_timeout_s=2.0,
-        idle_timeout_s=1.0,
-        backoff_base_s=0.02,
-        backoff_max_s=0.3,
-        bench_after_failures=1000,
-        fsync_interval_s=0.2,
-        progress_interval_s=1.0,
-    )
-    values.update(overrides)
-    return GenerationConfig(**values)  # type: ignore[arg-type]
+    return quick_config(*urls, **{**FAST, "connect_timeout_s": GenerationConfig.connect_timeout_s, **overrides})
 
 
 @pytest.fixture
@@ -77,10 +65,10 @@ def read_rows(layout: DataLayout) -> pl.DataFrame:
 
 def expected_texts(prompt: PromptToGenerate, fake: FakeConfig, max_tokens: int) -> tuple[str, str, int, str]:
     messages = [dict(m) for m in prompt.messages]
-    n, finish = response_length(messages, fake, max_tokens)
+    n, finish = served.response_length(messages, fake, max_tokens)
     k = int(n * fake.reasoning_share)
-    key = prompt_key(messages)
-    return token_text(key, 0, k), token_text(key, k, n - k), n, finish
+    key = served.prompt_key(messages)
+    return served.token_text(key, 0, k), served.token_text(key, k, n - k), n, finish
 
 
 # ------------------------------------------------------------------------------------ acceptance 1
@@ -89,7 +77,7 @@ def expected_texts(prompt: PromptToGenerate, fake: FakeConfig, max_tokens: int) 
 @pytest.mark.parametrize(
     "server", [FakeConfig(token_rate=5000, median_tokens=60, hang_s=60, faults=ACCEPTANCE_FAULTS)], indirect=True
 )
-def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, layout: DataLayout) -> None:
+def test_mixed_faults_end_with_1000_unique_ok_rows(server: FakeServerProcess, layout: DataLayout) -> None:
     prompts = make_prompts(1000)
     logs: list[str] = []
     started = time.monotonic()
@@ -130,15 +118,7 @@ def test_acceptance1_faults_end_with_1000_unique_ok_rows(server: FakeServerProce
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "server",
-    [
-        FakeConfig(
-            token_rate=5000,
-            median_tokens=40,
-            hang_s=60,
-            stream_interval_s=0.01,
-            faults=EVERY_FAULT,
-        )
-    ],
+    [EVERY_FAULT_SERVER],
     indirect=True,
 )
 def test_every_fault_kind_is_retried_streaming_or_not(
@@ -161,9 +141,7 @@ def test_every_fault_kind_is_retried_streaming_or_not(
 
 
 @pytest.mark.parametrize("server", [FakeConfig(token_rate=5000, median_tokens=40, max_model_len=500)], indirect=True)
-def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(
-    server: FakeServerProcess, layout: DataLayout
-) -> None:
+def test_prompt_too_long_fails_once_with_the_server_message(server: FakeServerProcess, layout: DataLayout) -> None:
     prompts = make_prompts(98)
     long_text = "word " * 800
     prompts += [PromptToGenerate(f"long-{i}", [{"role": "user", "content": long_text + str(i)}]) for i in range(2)]
@@ -182,7 +160,7 @@ def test_acceptance3_prompt_too_long_fails_once_with_the_server_message(
         assert row["attempts"] == 1 and row["content"] is None
     requests = server.stats()["requests"]
     for prompt in prompts[-2:]:
-        assert requests[prompt_key([dict(m) for m in prompt.messages])] == 1  # not retried
+        assert requests[served.prompt_key([dict(m) for m in prompt.messages])] == 1  # not retried
     check = error_rate_check(layout.responses_path(KEY), max_error_rate=0.01)
     assert not check.passed and check.metadata["failed"] == 2
     assert "maximum context length" in next(iter(check.metadata["top_errors"]))
@@ -208,7 +186,7 @@ def shape_server(request: pytest.FixtureRequest) -> Iterator[tuple[FakeConfig, s
 
 @pytest.mark.parametrize("transport", ["openai", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_acceptance5_reasoning_shapes(
+def test_every_reasoning_field_shape_is_stored_as_reasoning_and_content(
     shape_server: tuple[FakeConfig, str], stream: bool, transport: str, layout: DataLayout
 ) -> None:
     fake, url = shape_server
@@ -228,10 +206,10 @@ def test_acceptance5_reasoning_shapes(
         assert (row["finish_reason"], row["completion_tokens"]) == (finish, n)
         assert row["messages"] == [dict(m) for m in prompt.messages]
         # vLLM's return_token_ids, assembled across stream chunks: the exact served tokens, in order
-        key = prompt_key([dict(m) for m in prompt.messages])
-        assert row["completion_token_ids"] == token_ids(key, 0, n)
-        n_prompt = prompt_tokens([dict(m) for m in prompt.messages])
-        assert row["prompt_token_ids"] == prompt_token_ids(key, n_prompt) and row["prompt_tokens"] == n_prompt
+        key = served.prompt_key([dict(m) for m in prompt.messages])
+        assert row["completion_token_ids"] == served.token_ids(key, 0, n)
+        n_prompt = served.prompt_tokens([dict(m) for m in prompt.messages])
+        assert row["prompt_token_ids"] == served.prompt_token_ids(key, n_prompt) and row["prompt_tokens"] == n_prompt
         truncated += finish == "length"
     assert result.truncated == truncated
 
@@ -289,7 +267,7 @@ def test_resume_requests_only_missing_and_failed_samples(server: FakeServerProce
     assert (result.resumed, result.requested, result.ok) == (30, 70, 100)
     assert result.torn_bytes_dropped > 0 and any("torn last line" in line for line in logs)
     requested = server.stats()["requests"]
-    expected_keys = {prompt_key([dict(m) for m in p.messages]) for p in prompts[30:]}
+    expected_keys = {served.prompt_key([dict(m) for m in p.messages]) for p in prompts[30:]}
     assert set(requested) == expected_keys and set(requested.values()) == {1}
     final = read_rows(layout)
     assert final.height == 100 and final["sample_id"].n_unique() == 100
@@ -384,16 +362,7 @@ def test_api_key_is_sent_and_never_written(server: FakeServerProcess, layout: Da
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "server",
-    [
-        FakeConfig(
-            token_rate=5000,
-            median_tokens=40,
-            hang_s=60,
-            max_model_len=300,
-            stream_interval_s=0.01,
-            faults=EVERY_FAULT,
-        )
-    ],
+    [dataclasses.replace(EVERY_FAULT_SERVER, max_model_len=300)],
     indirect=True,
 )
 def test_aiohttp_transport_has_the_same_semantics(server: FakeServerProcess, layout: DataLayout, stream: bool) -> None:

@@ -26,6 +26,7 @@ from eagle3_assets.generation.transport import (
     aiohttp_session,
     make_transports,
 )
+from support.fake_faults import FAULT_KINDS
 from support.fake_vllm import FakeConfig, prompt_key, prompt_token_ids, prompt_tokens, serve_in_thread, token_ids
 
 MESSAGES = [{"role": "system", "content": "Think, then answer."}]
@@ -195,19 +196,6 @@ def _outcome(result: Completion | RequestFailed) -> tuple[Any, ...]:
     return result.retryable, result.status, result.kind, result.retry_after_s, result.message
 
 
-FAULTS = [
-    "error_500",
-    "error_429",
-    "reset",
-    "hang",
-    "truncate",
-    "invalid_json",
-    "non_completion",
-    "empty_choices",
-    "content_list",
-    "reasoning_object",
-    "usage_strings",
-]
 # the field each lying fault gets wrong, as the failure names it
 LIE_FIELDS = {
     "content_list": "content",
@@ -217,7 +205,7 @@ LIE_FIELDS = {
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("fault", FAULT_KINDS)
 def test_faults_are_classified_the_same_by_every_transport(fault: str, stream: bool) -> None:
     fake = FakeConfig(token_rate=50000, stream_interval_s=0.001, hang_s=5, faults={fault: 1.0})
     with serve_in_thread(fake) as url:

@@ -17,7 +17,7 @@ from eagle3_assets.generation.errors import RequestFailed, classify, error_messa
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA, rows_to_frame
 from eagle3_assets.generation.replies import StreamState, parse_completion
-from eagle3_assets.generation.transport import _sdk_failure
+from eagle3_assets.generation.transport import sdk_failure
 from eagle3_assets.settings import ConfigError
 
 URL = "http://127.0.0.1:8000/v1"
@@ -333,7 +333,7 @@ def _status_error(status: int, body: object) -> openai.APIStatusError:
 )
 def test_status_classification(status: int, retryable: bool) -> None:
     body = {"error": {"message": f"server says {status}"}}
-    for failure in (status_failure(status, json.dumps(body).encode()), _sdk_failure(_status_error(status, body))):
+    for failure in (status_failure(status, json.dumps(body).encode()), sdk_failure(_status_error(status, body))):
         assert failure.retryable is retryable and failure.status == status
         assert failure.message == f"HTTP {status}: server says {status}"
 
@@ -368,8 +368,8 @@ def test_transport_errors_are_retryable() -> None:
         TimeoutError(),
         ConnectionResetError("reset"),
     ):
-        assert classify(error).retryable and _sdk_failure(error).retryable, error
-    assert _sdk_failure(openai.APITimeoutError(request)).kind == "timeout"
+        assert classify(error).retryable and sdk_failure(error).retryable, error
+    assert sdk_failure(openai.APITimeoutError(request)).kind == "timeout"
     assert classify(ConnectionRefusedError("refused")).kind == "connection"
 
 

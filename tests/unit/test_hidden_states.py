@@ -4,11 +4,9 @@ loader and compared with a plain transformers forward), resume, disk-space refus
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,13 @@ from eagle3_assets.hidden_states import (
     check_token_ids,
     extract_partition,
 )
-from eagle3_assets.hidden_states.backends import plan_batches, resolve_layer_ids
+from eagle3_assets.hidden_states.backends import plan_batches
 from eagle3_assets.hidden_states.extract import hs_file
 from eagle3_assets.lineage import hidden_states_staging_dir
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout, DiskSpaceError
+from eagle3_assets.verifier import resolve_layer_ids
+from support.common import reaped, sigkill_when
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,16 +255,12 @@ def test_sigkill_during_extraction_recomputes_nothing_stored_whole(tmp_path: Pat
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path)
     # a partition is built aside (published whole when complete), so the killed run's files are in its staging dir
     hs_dir = hidden_states_staging_dir(layout, "00000") / "hidden_states"
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if hs_dir.is_dir() and sum(1 for p in hs_dir.iterdir() if p.name.startswith("hs_")) >= 60:
-                break
-            time.sleep(0.005)
-        assert proc.poll() is None, "extraction finished before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+
+    def sixty_stored() -> bool:
+        return hs_dir.is_dir() and sum(1 for p in hs_dir.iterdir() if p.name.startswith("hs_")) >= 60
+
+    with reaped(proc):
+        sigkill_when(proc, sixty_stored, timeout_s=120, interval_s=0.005)
     assert not layout.hidden_states_index_path("00000").exists()  # an unfinished partition has no index
     whole = {p.name: p.stat().st_mtime_ns for p in hs_dir.iterdir() if p.name.startswith("hs_")}
     assert 60 <= len(whole) < 400

@@ -90,7 +90,7 @@ def _record_responses_checks(layout: DataLayout, key: str, passed: bool) -> None
 
 
 def test_draft_training_uses_only_partitions_whose_checks_passed(tmp_path: Path, verifier: Path) -> None:
-    from eagle3_assets.defs.draft import _hidden_state_partitions
+    from eagle3_assets.defs.draft import hidden_state_partitions
     from eagle3_assets.defs.resources import DataStoreResource
 
     layout = DataLayout.at(tmp_path / "data")
@@ -103,7 +103,7 @@ def test_draft_training_uses_only_partitions_whose_checks_passed(tmp_path: Path,
     fabricate_responses(layout, "00003", 3, seed=99)
     _record_responses_checks(layout, "00003", passed=True)
 
-    assert _hidden_state_partitions(DataStoreResource(data_dir=str(layout.root))) == ["00000"]
+    assert hidden_state_partitions(DataStoreResource(data_dir=str(layout.root))) == ["00000"]
     usable, excluded = lineage.partitions_passing_checks(layout, ["00000", "00001", "00002", "00003"])
     assert usable == ["00000"]
     assert "synthetic_responses checks" in excluded["00001"]

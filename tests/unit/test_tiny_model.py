@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.local import tiny_model as tm
+from eagle3_assets.local import tiny_spec as spec
 from eagle3_assets.local import tiny_weights as tw
 
 CORPUS = [
@@ -58,8 +59,8 @@ def test_tokenizer_and_chat_template(model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert len(tok) <= 4096
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (tm.BOS_TOKEN, tm.EOS_TOKEN, tm.PAD_TOKEN)
-    for marker in tm.THINK_TOKENS:
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (spec.BOS_TOKEN, spec.EOS_TOKEN, spec.PAD_TOKEN)
+    for marker in spec.THINK_TOKENS:
         ids = tok.encode(f"a {marker} b", add_special_tokens=False)
         assert tok.convert_tokens_to_ids(marker) in ids
         # Not special: the reasoning parser finds "</think>" in text decoded with skip_special_tokens.
@@ -105,7 +106,7 @@ def test_structure_think_once_then_eos(model_dir: Path) -> None:
     hidden = embed.shape[1]
     think_triggers = [int(i) for i in (embed[:, hidden - tw._CH_TRIG_THINK] == 1).nonzero()[0]]
     eos_triggers = [int(i) for i in (embed[:, hidden - tw._CH_TRIG_EOS] == 1).nonzero()[0]]
-    think_end, eos = tok.convert_tokens_to_ids(tm.THINK_END_TOKEN), tok.eos_token_id
+    think_end, eos = tok.convert_tokens_to_ids(spec.THINK_END_TOKEN), tok.eos_token_id
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue?"}], add_generation_prompt=True, return_dict=True
     )
@@ -128,7 +129,7 @@ def test_structure_think_once_then_eos(model_dir: Path) -> None:
             0, len(prompt) :
         ].tolist()
     assert len(set(out)) >= 16, f"degenerate greedy output: {out}"
-    special = {tok.convert_tokens_to_ids(t) for t in (tm.BOS_TOKEN, tm.PAD_TOKEN, tm.IM_START_TOKEN, "<think>")}
+    special = {tok.convert_tokens_to_ids(t) for t in (spec.BOS_TOKEN, spec.PAD_TOKEN, spec.IM_START_TOKEN, "<think>")}
     assert not special & set(out)
     assert "\ufffd" not in tok.decode(out)
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
 from eagle3_assets.training import TrainConfig, build_vocab_mapping, load_vocab_mapping, train_draft
+from support.common import reaped, sigkill_when
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,16 +108,8 @@ def test_sigkill_during_training_resumes_from_last_checkpoint(data: DataLayout, 
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path)
     ckpt_dir = layout.draft_model_dir / "checkpoints"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (ckpt_dir / "epoch_0001.pt").exists():
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "training ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+    with reaped(proc):
+        sigkill_when(proc, (ckpt_dir / "epoch_0001.pt").exists, timeout_s=300, interval_s=0.05)
     assert not (layout.draft_model_dir / "final").exists()
     done = sorted(p.name for p in ckpt_dir.glob("epoch_*.pt"))
     last = int(done[-1].split("_")[1].split(".")[0])

@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import json
 
     from eagle3_assets import settings
-    from eagle3_assets.defs.resources import EvaluationServersResource, env_value
+    from eagle3_assets.defs.registry import env_value
+    from eagle3_assets.defs.resources import EvaluationServersResource
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets

@@ -1,4 +1,8 @@
-"""The ``eagle3`` console script. Each subcommand imports what it needs when it runs."""
+"""The ``eagle3`` console script. Each subcommand imports what it needs when it runs.
+
+The command line is an entry point: it reads the settings declared in the Dagster layer (``defs/``), which the
+Dagster-free core below it never imports (``tests/unit/test_import_graph.py``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from eagle3_assets import settings
 
 
 def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.storage import DataLayout
 
     return DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
@@ -202,7 +206,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
-    from eagle3_assets.defs.resources import settings_classes, settings_markdown
+    from eagle3_assets.defs.registry import settings_classes, settings_markdown
 
     if args.markdown:
         print(settings_markdown())
@@ -230,7 +234,7 @@ def cmd_sample_data(args: argparse.Namespace) -> int:
 
 def cmd_build_verifier(args: argparse.Namespace) -> int:
     from eagle3_assets import storage
-    from eagle3_assets.defs.resources import env_value
+    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.local import real_verifier
 
     out = args.out or real_verifier.default_folder(args.data_dir or env_value("EAGLE3_DATA_DIR"))
@@ -262,9 +266,9 @@ def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespac
 # Subcommands that hand their arguments, unparsed, to another module's main(argv).
 FORWARDED = {
     "tiny-model": ("eagle3_assets.local.tiny_model", "build the tiny local verifier (model + tokenizer)"),
-    "serve-local": ("eagle3_assets.local.vllm_server", "run the embedded CPU vLLM server"),
+    "serve-local": ("eagle3_assets.local.vllm_cli", "run the embedded CPU vLLM server"),
     "demo": ("eagle3_assets.demo", "materialize the whole pipeline on the sample data"),
-    "evaluate": ("eagle3_assets.evaluation.cli", "evaluate a draft model against vLLM (acceptance per position)"),
+    "evaluate": ("eagle3_assets.cli.evaluate", "evaluate a draft model against vLLM (acceptance per position)"),
 }
 
 
