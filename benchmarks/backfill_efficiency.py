@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from eagle3_assets.generation.capacity import metrics_url, parse_load  # noqa: E402
+from eagle3_assets.local.process_group import stop_process_group  # noqa: E402
 from support.fake_vllm import FakeConfig, FakeServerProcess  # noqa: E402
 
 
@@ -94,12 +95,7 @@ def daemon(workspace: Path, log_path: Path) -> Iterator[subprocess.Popen[bytes]]
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+            stop_process_group(proc.pid, grace_s=30.0, process=proc)
 
 
 class LoadSampler:

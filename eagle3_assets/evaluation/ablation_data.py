@@ -19,6 +19,7 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, normalize_messages, rows_to_frame
+from eagle3_assets.hidden_states.render import common_prefix_length
 from eagle3_assets.prompts import dataset_turns_path
 from eagle3_assets.storage import DataLayout
 
@@ -96,14 +97,6 @@ def select_conversations(
     return chosen, held
 
 
-def _first_difference(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _assistant_char_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple[int, int]], int]:
     """(rendered text, character spans of each assistant turn, turns that could not be placed).
 
@@ -120,7 +113,7 @@ def _assistant_char_spans(tokenizer: Any, messages: Messages) -> tuple[str, list
             continue
         content = message["content"]
         before = render(messages[:i], tokenize=False, add_generation_prompt=True)
-        start = max(_first_difference(before, full), spans[-1][1] if spans else 0)
+        start = max(common_prefix_length(before, full), spans[-1][1] if spans else 0)
         at = full.find(content, start) if content else -1
         if at < 0:
             lost += 1

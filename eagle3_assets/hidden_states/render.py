@@ -57,7 +57,8 @@ def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     return [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
 
 
-def _first_difference(a: str, b: str) -> int:
+def common_prefix_length(a: str, b: str) -> int:
+    """Where two renderings of one conversation part ways: the start of what the longer one adds."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -100,7 +101,7 @@ class ChatRenderer:
             # A template that has the tag but does not wrap this turn: fall through to the diff.
         full = self.tokenizer.apply_chat_template(conversation, tokenize=False)
         prefix = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        start = _first_difference(prefix, full)
+        start = common_prefix_length(prefix, full)
         return full, [(start, len(full))]
 
     def render(

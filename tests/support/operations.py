@@ -17,6 +17,7 @@ from typing import Any
 
 import dagster as dg
 
+from eagle3_assets.local.process_group import stop_process_group
 from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT, make_resources, materialize_responses, write_jsonl
 
@@ -121,12 +122,7 @@ def dagster_process(
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+            stop_process_group(proc.pid, grace_s=30.0, process=proc)
 
 
 def dagster_daemon(workspace: Path, env: dict[str, str], log_path: Path):  # type: ignore[no-untyped-def]
