@@ -14,17 +14,13 @@ from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
 from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.signals import (
-    assert_stopped,
-    cleanup,
     journal_lines,
     log_text,
     make_pipeline,
     materialize_command,
     resume_requests_only_the_rest,
     run,
-    signal_and_wait,
-    start,
-    wait_until,
+    stop_mid_run,
 )
 
 pytestmark = [pytest.mark.slow]
@@ -44,11 +40,8 @@ def test_a_generating_run_stops_on_a_signal_keeps_its_rows_and_resumes(tmp_path:
         assert run(pipeline, materialize_command("raw_prompts"), "raw_prompts") == 0, log_text(pipeline, "raw_prompts")
         layout = DataLayout.at(pipeline.data_dir)
         journal = layout.responses_in_progress_path(KEY)
-        with cleanup(start(pipeline, materialize_command("synthetic_responses", KEY), "generate")) as proc:
-            wait_until(lambda: journal_lines(journal) >= 2, proc, 120, "two journaled rows")
-            stopped = signal_and_wait(proc, sig)
-        output = log_text(pipeline, "generate")
-        assert_stopped(stopped, output, sig.name)
+        command = materialize_command("synthetic_responses", KEY)
+        stop_mid_run(pipeline, command, "generate", lambda: journal_lines(journal) >= 2, "two journaled rows", sig, 120)
         # the rows finished before the signal stay journaled; no partition file, nothing materialized
         kept = read_journal(journal).records
         assert 2 <= len(kept) < PROMPTS

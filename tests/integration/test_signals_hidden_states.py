@@ -12,21 +12,11 @@ import pytest
 
 from eagle3_assets.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
-from support.signals import (
-    HangingServer,
-    assert_stopped,
-    cleanup,
-    log_text,
-    make_pipeline,
-    materialize_command,
-    run,
-    signal_and_wait,
-    start,
-    wait_until,
-)
+from support.signals import HangingServer, log_text, make_pipeline, materialize_command, run, stop_mid_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "00000"
+EXTRACT = materialize_command("hidden_states", KEY)
 
 
 def test_vllm_extraction_stuck_on_its_server_stops_on_sigterm(tmp_path: Path) -> None:
@@ -41,11 +31,8 @@ def test_vllm_extraction_stuck_on_its_server_stops_on_sigterm(tmp_path: Path) ->
         fabricate_responses(layout, KEY, 16)
         with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
             instance.add_dynamic_partitions("prompt_partitions", [KEY])
-        with cleanup(start(pipeline, materialize_command("hidden_states", KEY), "extract")) as proc:
-            wait_until(lambda: server.posts >= 4, proc, 180, "extraction requests in flight")
-            stopped = signal_and_wait(proc, signal.SIGTERM)
-    output = log_text(pipeline, "extract")
-    assert_stopped(stopped, output, "SIGTERM")
+        in_flight = "extraction requests in flight"
+        stop_mid_run(pipeline, EXTRACT, "extract", lambda: server.posts >= 4, in_flight, signal.SIGTERM, 180)
     assert not layout.hidden_states_index_path(KEY).exists()
     with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
         assert instance.get_latest_materialization_event(dg.AssetKey("hidden_states")) is None
@@ -67,15 +54,12 @@ def test_hf_extraction_stops_on_sigint_keeps_its_files_and_resumes(tmp_path: Pat
     fabricate_responses(layout, KEY, samples, min_words=5, max_words=10)
     with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
         instance.add_dynamic_partitions("prompt_partitions", [KEY])
-    with cleanup(start(pipeline, materialize_command("hidden_states", KEY), "extract")) as proc:
-        wait_until(lambda: _stored(pipeline.data_dir) >= 50, proc, 180, "50 stored sample files")
-        stopped = signal_and_wait(proc, signal.SIGINT)
-    output = log_text(pipeline, "extract")
-    assert_stopped(stopped, output, "SIGINT")
+    fifty = "50 stored sample files"
+    stop_mid_run(pipeline, EXTRACT, "extract", lambda: _stored(pipeline.data_dir) >= 50, fifty, signal.SIGINT, 180)
     kept = _stored(pipeline.data_dir)
     assert 50 <= kept < samples
     assert not layout.hidden_states_index_path(KEY).exists()
-    assert run(pipeline, materialize_command("hidden_states", KEY), "resume") == 0, log_text(pipeline, "resume")
+    assert run(pipeline, EXTRACT, "resume") == 0, log_text(pipeline, "resume")
     resumed = log_text(pipeline, "resume")
     stored_before = int(resumed.split(f"hidden_states {KEY}: {samples} samples, ")[1].split(" already stored")[0])
     assert stored_before >= kept - 8  # the files stored whole are reused (a few torn by the stop are redone)

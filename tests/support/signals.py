@@ -179,6 +179,19 @@ def assert_stopped(stopped: Stopped, output: str, what: str) -> None:
     assert not stopped.left_behind, f"processes left running: {stopped.left_behind}"
 
 
+def stop_mid_run(
+    pipeline: Pipeline, command: list[str], name: str, ready: Callable[[], bool], what: str, sig: int, timeout_s: float
+) -> str:
+    """Start ``command``, wait until ``ready()`` (``what``, at most ``timeout_s``), send ``sig``; assert the run
+    stopped as a signalled run must (``assert_stopped``); returns its output."""
+    with cleanup(start(pipeline, command, name)) as proc:
+        wait_until(ready, proc, timeout_s, what)
+        stopped = signal_and_wait(proc, sig)
+    output = log_text(pipeline, name)
+    assert_stopped(stopped, output, signal.Signals(sig).name)
+    return output
+
+
 class HangingServer:
     """An OpenAI-compatible server that lists one model and never answers a POST (a stuck extraction server):
     ``with HangingServer("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
