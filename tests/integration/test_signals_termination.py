@@ -11,21 +11,17 @@ import dagster as dg
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
-from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import dagster_process, wait_for, write_workspace
 from support.reliability import free_port
 from support.signals import (
     STOP_WITHIN_S,
     alive,
+    assert_kept_unpublished,
     descendants,
     journal_lines,
-    log_text,
-    make_pipeline,
-    materialize_command,
     resume_requests_only_the_rest,
-    run,
+    slow_generation,
     wait_until,
 )
 
@@ -62,15 +58,8 @@ def _run_worker_tree(home: Path, run_id: str) -> set[int]:
 
 
 def test_terminate_from_the_ui_cancels_a_generating_run_which_then_resumes(tmp_path: Path) -> None:
-    fake = FakeConfig(token_rate=15, median_tokens=100, sigma=0.3)  # ~7 s a response: ~30 s for the partition
-    with FakeServerProcess(fake) as server:
-        pipeline = make_pipeline(
-            tmp_path, PROMPTS, PROMPTS, server.base_url, EAGLE3_CONCURRENCY="4", EAGLE3_MAX_TOKENS="400"
-        )
-        (pipeline.home / "dagster.yaml").write_text(DAGSTER_YAML)
-        assert run(pipeline, materialize_command("raw_prompts"), "raw_prompts") == 0, log_text(pipeline, "raw_prompts")
-        layout = DataLayout.at(pipeline.data_dir)
-        journal = layout.responses_in_progress_path(KEY)
+    with slow_generation(tmp_path, PROMPTS, DAGSTER_YAML) as (pipeline, server):
+        journal = DataLayout.at(pipeline.data_dir).responses_in_progress_path(KEY)
         workspace = write_workspace(tmp_path)
         port = free_port()
         args = ["dagster-webserver", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
@@ -88,10 +77,5 @@ def test_terminate_from_the_ui_cancels_a_generating_run_which_then_resumes(tmp_p
             seconds = time.monotonic() - started
             wait_for(lambda: not alive(workers), 10, "the run worker to exit", 0.25)
         assert seconds < STOP_WITHIN_S
-        kept = read_journal(journal).records
-        assert 2 <= len(kept) < PROMPTS
-        assert not layout.responses_path(KEY).exists()
-        with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
-            assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None
-
-        resume_requests_only_the_rest(pipeline, server, KEY, PROMPTS, len(kept))
+        kept = assert_kept_unpublished(pipeline, KEY, PROMPTS)
+        resume_requests_only_the_rest(pipeline, server, KEY, PROMPTS, kept)

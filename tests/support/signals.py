@@ -239,6 +239,39 @@ class HangingServer:
         self._server.server_close()
 
 
+@contextmanager
+def slow_generation(root: Path, prompts: int, dagster_yaml: str | None = None) -> Iterator[tuple[Pipeline, Any]]:
+    """A fake server at ~7 s a response (~100 tokens at 15 tok/s; 4 in flight: ~30 s for 16 prompts) and a pipeline
+    of one ``prompts``-sized partition over it (its DAGSTER_HOME's ``dagster.yaml`` replaced by ``dagster_yaml`` if
+    given), raw_prompts materialized: a generating run there is still running when the test stops it."""
+    from support.fake_vllm import FakeConfig, FakeServerProcess
+
+    with FakeServerProcess(FakeConfig(token_rate=15, median_tokens=100, sigma=0.3)) as server:
+        env = {"EAGLE3_CONCURRENCY": "4", "EAGLE3_MAX_TOKENS": "400"}
+        pipeline = make_pipeline(root, prompts, prompts, server.base_url, **env)
+        if dagster_yaml is not None:
+            (pipeline.home / "dagster.yaml").write_text(dagster_yaml)
+        assert run(pipeline, materialize_command("raw_prompts"), "raw_prompts") == 0, log_text(pipeline, "raw_prompts")
+        yield pipeline, server
+
+
+def assert_kept_unpublished(pipeline: Pipeline, key: str, prompts: int) -> int:
+    """After a stopped generating run: the rows finished before the stop stay journaled (at least 2, not all), no
+    partition file, nothing marked materialized. Returns the rows kept."""
+    import dagster as dg
+
+    from eagle3_assets.generation.journal import read_journal
+    from eagle3_assets.storage import DataLayout
+
+    layout = DataLayout.at(pipeline.data_dir)
+    kept = len(read_journal(layout.responses_in_progress_path(key)).records)
+    assert 2 <= kept < prompts
+    assert not layout.responses_path(key).exists()
+    with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
+        assert instance.get_latest_materialization_event(dg.AssetKey("synthetic_responses")) is None
+    return kept
+
+
 def resume_requests_only_the_rest(pipeline: Pipeline, server: Any, key: str, prompts: int, kept: int) -> str:
     """Re-materializing ``synthetic_responses`` partition ``key`` after a stopped run asks ``server`` only for the
     ``prompts - kept`` samples not journaled and completes the partition; returns the resume's log."""
