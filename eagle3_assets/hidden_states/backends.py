@@ -116,5 +116,5 @@ def make_backend(
     if name == "vllm":
         from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
 
-        return VLLMBackend(verifier_path, layer_ids, store_dtype, device, batch_tokens, options=vllm_options, log=log)
+        return VLLMBackend(verifier_path, layer_ids, store_dtype, batch_tokens, options=vllm_options, log=log)
     raise ConfigError(f"backend={name!r}: unknown hidden-states backend; choose one of {list(BACKEND_NAMES)}")

@@ -217,8 +217,7 @@ class VLLMBackend:
         verifier_path: str | Path,
         layer_ids: list[int],
         store_dtype: str = "bfloat16",
-        device: str = "auto",
-        batch_tokens: int = 8192,
+        batch_tokens: int = 8192,  # the servers place the model: no device here, unlike the hf backend
         options: VLLMBackendOptions | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
