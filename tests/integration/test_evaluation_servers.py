@@ -17,6 +17,7 @@ from eagle3_assets.defs.registry import default_resources
 from eagle3_assets.defs.resources import EvaluationServersResource
 from eagle3_assets.evaluation.online import OnlineConfig, Prompt, measure
 from eagle3_assets.storage import DataLayout
+from support.common import send_body, send_json
 
 K = 3
 # Each response reports 4 verify steps of its own: 1 accepted 0, 1 accepted 1, 2 accepted 3 (drafts of 3 tokens).
@@ -36,11 +37,7 @@ def stub_server(speculative: dict | None) -> Iterator[tuple[str, list[dict]]]:
 
         def do_GET(self) -> None:
             metrics_reads[0] += 1
-            body = f"vllm:spec_decode_num_drafts_total{{}} {1000 * metrics_reads[0]}.0\n".encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_body(self, f"vllm:spec_decode_num_drafts_total{{}} {1000 * metrics_reads[0]}.0\n".encode())
 
         def do_POST(self) -> None:
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -62,12 +59,7 @@ def stub_server(speculative: dict | None) -> Iterator[tuple[str, list[dict]]]:
             }
             if speculative is not None:
                 reply["metrics"] = {"speculative_decoding": speculative}
-            body = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, reply)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

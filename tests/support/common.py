@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,17 @@ def sigkill_when(
         time.sleep(interval_s)
     child.send_signal(signal.SIGKILL)
     child.wait(10)
+
+
+def send_body(handler: BaseHTTPRequestHandler, body: bytes, content_type: str | None = None) -> None:
+    """A 200 with ``body`` from a ``http.server`` handler (the stub servers of the tests)."""
+    handler.send_response(200)
+    if content_type is not None:
+        handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def send_json(handler: BaseHTTPRequestHandler, payload: Any) -> None:
+    send_body(handler, json.dumps(payload).encode(), "application/json")

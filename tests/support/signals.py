@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support.common import child_env, journal_lines  # noqa: F401 (journal_lines: tests import it from here)
+from support.common import child_env, journal_lines, send_json  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
 # The bound: a run stops within 30 s of the signal (the code aims at a few seconds).
@@ -198,7 +198,6 @@ class HangingServer:
 
     def __init__(self, model: str) -> None:
         import http.server
-        import json
         import threading
 
         outer = self
@@ -210,12 +209,7 @@ class HangingServer:
                 pass
 
             def do_GET(self) -> None:
-                body = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_json(self, {"object": "list", "data": [{"id": model, "object": "model"}]})
 
             def do_POST(self) -> None:
                 outer.posts += 1
