@@ -51,6 +51,14 @@ def _error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
 
 
+def _delta(c: responses.Completion, field: str, start: int, end: int, lie: tuple[str, str]) -> str:
+    """The choices of one SSE chunk carrying tokens ``start:end`` in ``delta[field]``, the JSON string wrapped in
+    ``lie`` (a prefix and a suffix: the wrong-type faults)."""
+    text = lie[0] + json.dumps(responses.token_text(c.key, start, end - start)) + lie[1]
+    ids = c.ids_field(start, end)
+    return f'[{{"index":0,"delta":{{"{field}":{text}}},"logprobs":null,"finish_reason":null{ids}}}]}}\n\n'
+
+
 class _Stats:
     def __init__(self) -> None:
         self.requests: Counter[str] = Counter()
@@ -353,22 +361,12 @@ class _Connection(asyncio.Protocol):
             if sent < n_reasoning:
                 upto = min(ready, n_reasoning)
                 if field_name != "none":
-                    text = json.dumps(responses.token_text(c.key, sent, upto - sent))
-                    if c.fault == "reasoning_object":
-                        text = f'{{"text":{text}}}'
-                    parts.append(
-                        f'[{{"index":0,"delta":{{"{field_name}":{text}}},'
-                        f'"logprobs":null,"finish_reason":null{c.ids_field(sent, upto)}}}]}}\n\n'
-                    )
+                    lie = ('{"text":', "}") if c.fault == "reasoning_object" else ("", "")
+                    parts.append(_delta(c, field_name, sent, upto, lie))
                 sent = upto
             if ready > sent:
-                text = json.dumps(responses.token_text(c.key, sent, ready - sent))
-                if c.fault == "content_list":
-                    text = f'[{{"type":"text","text":{text}}}]'
-                parts.append(
-                    f'[{{"index":0,"delta":{{"content":{text}}},'
-                    f'"logprobs":null,"finish_reason":null{c.ids_field(sent, ready)}}}]}}\n\n'
-                )
+                lie = ('[{"type":"text","text":', "}]") if c.fault == "content_list" else ("", "")
+                parts.append(_delta(c, "content", sent, ready, lie))
                 sent = ready
             if c.fault == "empty_choices":
                 parts = ["[]}\n\n"]
