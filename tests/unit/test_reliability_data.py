@@ -93,12 +93,17 @@ def _non_blank(lines: list[bytes]) -> int:
     return sum(1 for line in first if line.strip())
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+def _fuzz(max_examples: int) -> settings:
+    # large generated datasets trip the speed and size health checks; no example database: each run draws afresh
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+@_fuzz(max_examples=200)
 @given(datasets)
 def test_loader_never_crashes_and_accounts_for_every_line(lines: list[bytes]) -> None:
     with tempfile.TemporaryDirectory() as folder:
@@ -119,12 +124,7 @@ def test_loader_never_crashes_and_accounts_for_every_line(lines: list[bytes]) ->
             content.encode("utf-8")  # no lone surrogates reach the table
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@_fuzz(max_examples=40)
 @given(datasets)
 def test_prompt_table_is_written_for_any_dataset_or_refused_with_a_reason(lines: list[bytes]) -> None:
     """build_prompt_table (the raw_prompts asset's core) writes readable files or raises a clear refusal."""
