@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
 from support.common import child_env, journal_lines, reaped  # noqa: F401 (journal_lines: tests import it from here)
-from support.fake_vllm import FakeConfig, config_to_args, get_json, post_json, prompt_key
+from support.fake_vllm import FakeConfig, FakeServerProcess, config_to_args, prompt_key
 
 
 def make_prompts(n: int, tag: str = "r") -> list[PromptToGenerate]:
@@ -60,21 +60,12 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{free_port()}/v1"
 
 
-class RestartableServer:
+class RestartableServer(FakeServerProcess):
     """The fake vLLM server as a subprocess on a FIXED port, so it can crash and come back at the same URL."""
 
     def __init__(self, config: FakeConfig, port: int | None = None) -> None:
-        self.config = config
+        super().__init__(config)
         self.port = port or free_port()
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def root_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> RestartableServer:
         cmd = [sys.executable, "-m", "support.fake_vllm", "--host", "127.0.0.1", "--port", str(self.port)]
@@ -104,12 +95,6 @@ class RestartableServer:
             self.proc.wait(10)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
-
-    def stats(self) -> dict[str, Any]:
-        return get_json(f"{self.root_url}/stats")
-
-    def reset_stats(self) -> None:
-        post_json(f"{self.root_url}/stats/reset")
 
 
 @contextmanager
