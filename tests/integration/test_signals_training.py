@@ -32,6 +32,7 @@ from support.signals import (
     run,
     signal_and_wait,
     start,
+    training_ranks,
     wait_until,
 )
 
@@ -95,16 +96,6 @@ def _lock_is_free(layout: DataLayout) -> bool:
         return False
 
 
-def _ranks(pid: int) -> set[int]:
-    def is_rank(child: int) -> bool:
-        try:
-            return b"eagle3_assets.training.launch" in Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            return False
-
-    return {child for child in descendants(pid) if is_rank(child)}
-
-
 def test_sigterm_stops_torchrun_and_its_ranks_and_the_next_run_resumes(
     tmp_path: Path, prepared: tuple[Path, Path]
 ) -> None:
@@ -112,7 +103,7 @@ def test_sigterm_stops_torchrun_and_its_ranks_and_the_next_run_resumes(
     first = layout.draft_model_dir / "checkpoints" / "epoch_0001.pt"
     with cleanup(start(pipeline, _train_command(), "train")) as proc:
         wait_until(first.exists, proc, 400, "the first checkpoint")
-        ranks = _ranks(proc.pid)
+        ranks = training_ranks(proc.pid, with_torchrun=True)
         assert len(ranks) >= 2, ranks  # the wrapper execs torchrun, which starts the ranks (+ the launcher itself)
         stopped = signal_and_wait(proc, signal.SIGTERM)
     output = log_text(pipeline, "train")
@@ -131,7 +122,7 @@ def test_sigkill_of_the_step_takes_torchrun_down_and_frees_the_lock(
     with cleanup(start(pipeline, _train_command(), "train")) as proc:
         wait_until(lambda: not _lock_is_free(layout), proc, 400, "rank 0 to hold the draft_model lock")
         tree = descendants(proc.pid)
-        assert len(_ranks(proc.pid)) >= 2
+        assert len(training_ranks(proc.pid, with_torchrun=True)) >= 2
         os.kill(proc.pid, signal.SIGKILL)  # no handler, no finally: only the kernel can clean up
         proc.wait(10)
         deadline = time.monotonic() + STOP_WITHIN_S

@@ -28,6 +28,7 @@ from eagle3_assets.training.launch import (
     torchrun_command,
     worker_env,
 )
+from support.signals import training_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -241,27 +242,5 @@ def test_a_killed_rank_fails_the_dagster_run_naming_the_resume_point(
 
 
 def _ranks() -> list[int]:
-    """Live torchrun workers of this project on the machine, started by this test process's children."""
-    mine = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        worker = b"eagle3_assets.training.launch" in cmdline and b"torch.distributed.run" not in cmdline
-        if worker and _alive(int(entry.name)) and _descends_from(int(entry.name), os.getpid()):
-            mine.append(int(entry.name))
-    return sorted(mine)
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
-        except (OSError, ValueError):
-            return False
-    return False
+    """Live torchrun workers of this project started by this test process's children."""
+    return sorted(training_ranks(os.getpid()))

@@ -118,6 +118,20 @@ def alive(pids: set[int]) -> set[int]:
     return set(_ppid_map()) & pids
 
 
+def training_ranks(pid: int, with_torchrun: bool = False) -> set[int]:
+    """The live processes below ``pid`` that run ``eagle3_assets.training.launch``: the ranks, and torchrun itself
+    (its command line names the module too) ``with_torchrun``."""
+    found = set()
+    for child in descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"eagle3_assets.training.launch" in cmdline and (with_torchrun or b"torch.distributed.run" not in cmdline):
+            found.add(child)
+    return found
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and everything below it (test cleanup only)."""
     for target in [*descendants(pid), pid]:
