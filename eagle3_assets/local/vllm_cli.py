@@ -187,9 +187,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 def _is_vllm_process(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except OSError:  # gone, or another user's: not ours to stop
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
