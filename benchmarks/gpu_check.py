@@ -19,7 +19,6 @@ per second of training steps), seconds, peak GPU memory (MiB).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import _common
 
 LAYERS = [1, 2, 3]
 
@@ -61,8 +60,8 @@ class GpuMemorySampler:
 
 
 def _partition(root: Path, samples: int) -> object:
+    from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
-    from support.hidden_states_data import fabricate_responses
 
     layout = DataLayout.at(root)
     for key in ("00000", "00001", "00002"):
@@ -137,10 +136,7 @@ def check_training(verifier: Path, root: Path, samples: int) -> tuple[str, float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=400, help="per partition (3 partitions)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
+    parser = _common.tiny_model_parser(__doc__, samples=400, layers=8)  # 3 partitions
     args = parser.parse_args()
 
     import torch
@@ -148,9 +144,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device visible: this check needs a GPU machine", file=sys.stderr)
         return 2
-    from support.hidden_states_data import cached_tiny_verifier
 
-    verifier = cached_tiny_verifier(num_layers=args.layers, hidden_size=args.hidden_size, vocab_size=4096)
+    verifier = _common.tiny_model(args)
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="eagle3-gpu-check-") as tmp:
         for name, check in (("hf", check_hf), ("vllm", check_vllm), ("train", check_training)):

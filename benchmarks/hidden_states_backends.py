@@ -12,24 +12,19 @@ backends' hidden states relative to their scale. Everything is written under a t
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# the project and its test support (tests/support: tiny verifier, fabricated responses)
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import _common
 
 LAYERS = [1, 2, 3]
 KEY = "00000"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
+    parser = _common.tiny_model_parser(__doc__, samples=200, hidden_size=64, vocab_size=1024)
     parser.add_argument("--url", default="", help="a running extraction server (default: the embedded CPU vLLM)")
     parser.add_argument("--storage", default="", help="with --url: this machine's mount of its connector folder")
     parser.add_argument("--device", default="auto", help="hf backend device (auto, cpu, cuda, cuda:N)")
@@ -39,10 +34,10 @@ def main() -> int:
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+    from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
-    verifier = cached_tiny_verifier(num_layers=args.layers, hidden_size=args.hidden_size)
+    verifier = _common.tiny_model(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle3-hs-backends-") as tmp:
         results = {}

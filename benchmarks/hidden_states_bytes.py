@@ -9,28 +9,21 @@ frequencies, index). Target: sample files <= 1.05 x the floor. Everything is wri
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-# the project and its test support (tests/support: tiny verifier, fake server)
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import _common
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    args = parser.parse_args()
+    args = _common.tiny_model_parser(__doc__, samples=200).parse_args()
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.storage_format import bytes_per_token
+    from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
-    verifier = cached_tiny_verifier(hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+    verifier = _common.tiny_model(args)
     layer_ids = [1, 2, 3]
     print(f"{'dtype':<14}{'tokens':>10}{'bytes/token':>14}{'floor':>10}{'ratio':>8}{'other files/token':>20}")
     worst = 0.0

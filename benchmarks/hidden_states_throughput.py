@@ -11,22 +11,15 @@ written under a temporary folder.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# the project and its test support (tests/support: tiny verifier, fake server)
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import _common
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=4)
+    parser = _common.tiny_model_parser(__doc__, samples=300)
     parser.add_argument("--batch-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
@@ -39,10 +32,10 @@ def main() -> int:
     from eagle3_assets.hidden_states.backends import plan_batches, torch_threads
     from eagle3_assets.hidden_states.samples import read_ok_responses as _read_ok_responses
     from eagle3_assets.hidden_states.samples import render_rows as _render_rows
+    from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
-    verifier = cached_tiny_verifier(num_layers=args.layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+    verifier = _common.tiny_model(args)
     layer_ids = [1, 2, 3] if args.layers <= 4 else None
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
         layout = DataLayout.at(Path(tmp) / "data")

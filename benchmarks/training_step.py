@@ -11,23 +11,17 @@ step and reported separately. Target: ratio <= 1.1. Everything is written under 
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# the project and its test support (tests/support: tiny verifier, fake server)
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+import _common
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _common.tiny_model_parser(__doc__, samples=150)  # per partition: 2 train + 1 validation
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--tokens-per-batch", type=int, default=1024)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--samples", type=int, default=150, help="per partition (2 train + 1 validation)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
     args = parser.parse_args()
@@ -36,14 +30,14 @@ def main() -> int:
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import torch_threads
+    from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
     from eagle3_assets.training.data import make_loader as _loader
     from eagle3_assets.training.data import to_device as _to_device
     from eagle3_assets.training.model import build_draft, trainer_kwargs
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
-    verifier = cached_tiny_verifier(hidden_size=args.hidden_size, vocab_size=args.vocab_size).resolve()
+    verifier = _common.tiny_model(args).resolve()
     keys = ["00000", "00001", "00002"]
     config = TrainConfig(
         epochs=1, tokens_per_batch=args.tokens_per_batch, max_steps_per_epoch=args.steps, num_threads=args.threads

@@ -3,6 +3,9 @@
 ``python -m eagle3_assets.sample_data OUT.jsonl`` rebuilds ``eagle3_assets/data/sample_prompts.jsonl``
 byte for byte (seeded). It mixes math, code, chat, reasoning and multi-turn prompts in all three row
 shapes the loader reads (OpenAI ``messages``, ShareGPT ``conversations``, plain ``prompt``).
+
+``fabricate_responses`` writes a ``synthetic_responses`` partition of made-up answers, so the later stages
+(hidden states, training) can be measured without a server: the benchmarks and the GPU check run on it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3_assets.prompts import normalize_row
+from eagle3_assets.storage import DataLayout, write_parquet_atomic
 
 DEFAULT_COUNT = 3000
 
@@ -209,6 +213,60 @@ def write_sample(path: Path, count: int = DEFAULT_COUNT, seed: int = 0) -> Path:
     with open(path, "w", encoding="utf-8") as handle:
         for row in make_sample_rows(count, seed):
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+_RESPONSE_TEXT = (
+    "the a of to and in is it that for on with as was by this be are from at or an which have not but "
+    "model token draft verifier layer hidden state train loss mask batch step epoch vocab answer think "
+    "prompt reason first then next because so we can see value sum two three four five six seven eight"
+)
+_RESPONSE_WORDS = _RESPONSE_TEXT.split()
+
+
+def fabricate_responses(
+    layout: DataLayout,
+    partition_key: str,
+    n: int,
+    seed: int = 0,
+    failed_every: int = 0,
+    min_words: int = 30,
+    max_words: int = 80,
+) -> Path:
+    """Write a ``synthetic_responses`` partition with the production columns; every ``failed_every``-th failed."""
+    import polars as pl
+
+    rng = random.Random(f"{partition_key}-{seed}")
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(_RESPONSE_WORDS) for _ in range(k))
+
+    rows = []
+    for i in range(n):
+        failed = failed_every > 0 and i % failed_every == failed_every - 1
+        messages = [{"role": "user", "content": words(rng.randint(5, 20))}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": words(6)})
+        rows.append(
+            {
+                "sample_id": f"{partition_key}-{i:05d}",
+                "messages": messages,
+                "reasoning": None if failed or i % 4 == 1 else words(rng.randint(min_words, max_words) // 2),
+                "content": None if failed else words(rng.randint(min_words, max_words)),
+                "status": "failed" if failed else "ok",
+                "finish_reason": None if failed else ("length" if i % 7 == 3 else "stop"),
+            }
+        )
+    schema = {
+        "sample_id": pl.String,
+        "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+        "reasoning": pl.String,
+        "content": pl.String,
+        "status": pl.String,
+        "finish_reason": pl.String,
+    }
+    path = layout.responses_path(partition_key)
+    write_parquet_atomic(pl.DataFrame(rows, schema=schema), path)
     return path
 
 

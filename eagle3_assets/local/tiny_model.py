@@ -281,6 +281,26 @@ def build_tiny_model(
     return out_dir
 
 
+def cached_tiny_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, vocab_size: int = 4096) -> Path:
+    """``build_tiny_model`` once per machine and shape, under the temp dir: the benchmarks, the GPU check and the
+    tests share it. Built into a private folder and renamed into place, so concurrent users never see half a model."""
+    import shutil
+    import tempfile
+
+    cache = Path(tempfile.gettempdir()) / "eagle3-assets-cache"
+    final = cache / f"tiny-verifier-s{seed}-l{num_layers}-h{hidden_size}-v{vocab_size}"
+    if (final / "config.json").exists():
+        return final
+    staging = cache / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_model(staging, seed=seed, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
+    try:
+        os.rename(staging, final)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode (the byte-level pre-tokenizer's alphabet)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -60,7 +60,9 @@ def imported(folder: str) -> set[str]:
                 names |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    local = {"eagle3_assets", "conftest", "support"} | {p.stem for p in (REPO / "tests").rglob("*.py")}
+    # the project's own modules: tests/support as `support`, the benchmarks' shared `_common`
+    ours = [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    local = {"eagle3_assets", "conftest", "support"} | {p.stem for p in ours}
     return {n for n in names if n not in sys.stdlib_module_names and n not in local}
 
 
