@@ -19,6 +19,7 @@ import pytest
 
 from eagle3_assets import storage
 from eagle3_assets.storage import DataLayout
+from support.hidden_states_data import copy_training_inputs, training_inputs
 from support.signals import (
     STOP_WITHIN_S,
     Pipeline,
@@ -38,50 +39,23 @@ from support.signals import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-KEYS = ["00000", "00001", "00002"]
 RUN_CONFIG = {
     "ops": {"draft_model": {"config": {"epochs": 4, "tokens_per_batch": 1536, "max_val_batches": 4, "num_threads": 1}}}
 }
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(a data dir with 3 hidden_states partitions whose checks passed and a vocabulary mapping, the verifier)."""
-    from eagle3_assets import lineage
-    from eagle3_assets.hidden_states import (
-        HiddenStatesConfig,
-        check_finite,
-        check_one_per_ok_response,
-        check_token_ids,
-        extract_partition,
-    )
-    from eagle3_assets.training import build_vocab_mapping
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
-
-    verifier = cached_tiny_verifier()
-    layout = DataLayout.at(tmp_path_factory.mktemp("signals-training") / "data")
-    for key in KEYS:
-        fabricate_responses(layout, key, 48, min_words=20, max_words=40)
-        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
-        digest = storage.file_digest(layout.responses_path(key))
-        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
-        checks = (check_token_ids, check_finite, check_one_per_ok_response)
-        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
-    build_vocab_mapping(layout, KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
-    return layout.root, verifier
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataLayout, Path]:
+    return training_inputs(tmp_path_factory.mktemp("signals-training") / "data")
 
 
-def _pipeline(root: Path, prepared: tuple[Path, Path]) -> tuple[Pipeline, DataLayout]:
-    import shutil
-
+def _pipeline(root: Path, prepared: tuple[DataLayout, Path]) -> tuple[Pipeline, DataLayout]:
     data, verifier = prepared
     pipeline = make_pipeline(
         root, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(verifier), EAGLE3_LAYER_IDS="1,2,3",
         EAGLE3_TRAIN_PROCS="2",
     )  # fmt: skip
-    for asset in ("synthetic_responses", "hidden_states", "vocab_mapping"):
-        shutil.copytree(data / asset, pipeline.data_dir / asset, ignore=shutil.ignore_patterns("_locks"))
-    return pipeline, DataLayout.at(pipeline.data_dir)
+    return pipeline, copy_training_inputs(data, pipeline.data_dir)
 
 
 def _train_command() -> list[str]:
@@ -97,7 +71,7 @@ def _lock_is_free(layout: DataLayout) -> bool:
 
 
 def test_sigterm_stops_torchrun_and_its_ranks_and_the_next_run_resumes(
-    tmp_path: Path, prepared: tuple[Path, Path]
+    tmp_path: Path, prepared: tuple[DataLayout, Path]
 ) -> None:
     pipeline, layout = _pipeline(tmp_path, prepared)
     first = layout.draft_model_dir / "checkpoints" / "epoch_0001.pt"
@@ -116,7 +90,7 @@ def test_sigterm_stops_torchrun_and_its_ranks_and_the_next_run_resumes(
 
 
 def test_sigkill_of_the_step_takes_torchrun_down_and_frees_the_lock(
-    tmp_path: Path, prepared: tuple[Path, Path]
+    tmp_path: Path, prepared: tuple[DataLayout, Path]
 ) -> None:
     pipeline, layout = _pipeline(tmp_path, prepared)
     with cleanup(start(pipeline, _train_command(), "train")) as proc:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.storage import DataLayout
-from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
+from eagle3_assets.training import TrainConfig, train_draft
 from eagle3_assets.training.launch import (
     TrainingFailed,
     TrainSpec,
@@ -28,49 +28,19 @@ from eagle3_assets.training.launch import (
     torchrun_command,
     worker_env,
 )
+from support.hidden_states_data import TRAINING_KEYS, copy_training_inputs, training_inputs
 from support.signals import training_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-KEYS = ["00000", "00001", "00002"]
+KEYS = TRAINING_KEYS
 LOSS_TOLERANCE = 0.10
 CONFIG = TrainConfig(epochs=3, tokens_per_batch=1536, lr=3e-3, warmup_ratio=0.0, num_threads=1, max_val_batches=4)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataLayout, Path]:
-    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
-
-    verifier = cached_tiny_verifier()
-    layout = DataLayout.at(tmp_path_factory.mktemp("procs") / "data")
-    for key in KEYS:
-        fabricate_responses(layout, key, 48, min_words=20, max_words=40)
-        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
-    build_vocab_mapping(layout, KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
-    _record_passed_checks(layout)
-    return layout, verifier
-
-
-def _record_passed_checks(layout: DataLayout) -> None:
-    """What the responses and hidden_states assets record after their checks: draft_model trains only on partitions
-    whose checks passed (their real outcomes here; the responses were fabricated whole)."""
-    from eagle3_assets import lineage, storage
-    from eagle3_assets.hidden_states import check_finite, check_one_per_ok_response, check_token_ids
-
-    for key in KEYS:
-        digest = storage.file_digest(layout.responses_path(key))
-        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
-        checks = (check_token_ids, check_finite, check_one_per_ok_response)
-        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
-
-
-def _copy(src: DataLayout, dst: Path) -> DataLayout:
-    import shutil
-
-    for asset in ("synthetic_responses", "hidden_states", "vocab_mapping"):
-        shutil.copytree(src.asset_dir(asset), dst / asset, ignore=shutil.ignore_patterns("_locks"))
-    return DataLayout.at(dst)
+    return training_inputs(tmp_path_factory.mktemp("procs") / "data")
 
 
 def _spec(layout: DataLayout, verifier: Path, config: TrainConfig, work: Path) -> TrainSpec:
@@ -85,8 +55,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(
     from eagle3_assets.speculators_adapter import eagle3_classes
 
     layout, verifier = data
-    one = train_draft(_copy(layout, tmp_path / "one"), KEYS[:2], KEYS[2], verifier, CONFIG)
-    two_layout = _copy(layout, tmp_path / "two")
+    one = train_draft(copy_training_inputs(layout, tmp_path / "one"), KEYS[:2], KEYS[2], verifier, CONFIG)
+    two_layout = copy_training_inputs(layout, tmp_path / "two")
     two = run_training_processes(_spec(two_layout, verifier, CONFIG, tmp_path), 2, tmp_path)
     assert (one.ranks, two.ranks) == (1, 2)
     assert two.steps == one.steps and two.epochs == one.epochs == 3
@@ -119,7 +89,7 @@ def test_killing_one_rank_fails_the_job_leaves_no_process_and_the_next_run_resum
     from eagle3_assets.training.launch import failure_message
 
     layout, verifier = data
-    layout = _copy(layout, tmp_path / "data")
+    layout = copy_training_inputs(layout, tmp_path / "data")
     config = TrainConfig(**{**CONFIG.__dict__, "epochs": 6})
     spec_path = _spec(layout, verifier, config, tmp_path).write(tmp_path / "spec.json")
     torchrun = subprocess.Popen(torchrun_command(spec_path, 2, find_free_port()), env=worker_env())
@@ -156,7 +126,7 @@ def test_killing_one_rank_fails_the_job_leaves_no_process_and_the_next_run_resum
 
 def test_a_failing_rank_raises_training_failed(data: tuple[DataLayout, Path], tmp_path: Path) -> None:
     layout, verifier = data
-    layout = _copy(layout, tmp_path / "data")
+    layout = copy_training_inputs(layout, tmp_path / "data")
     spec = _spec(layout, verifier, CONFIG, tmp_path)
     bad = TrainSpec(**{**spec.__dict__, "val_key": "99999"})  # no such partition: every rank raises
     with pytest.raises(TrainingFailed, match="no checkpoint was written: the next run starts over"):
@@ -172,7 +142,7 @@ def test_draft_model_asset_trains_in_two_processes_under_pipes(data: tuple[DataL
     from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
 
     layout, verifier = data
-    layout = _copy(layout, tmp_path / "data")
+    layout = copy_training_inputs(layout, tmp_path / "data")
     resources = {
         "data_store": DataStoreResource(data_dir=str(layout.root)),
         "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", train_procs=2),
@@ -205,7 +175,7 @@ def test_a_killed_rank_fails_the_dagster_run_naming_the_resume_point(
     from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
 
     layout, verifier = data
-    layout = _copy(layout, tmp_path / "data")
+    layout = copy_training_inputs(layout, tmp_path / "data")
     resources = {
         "data_store": DataStoreResource(data_dir=str(layout.root)),
         "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", train_procs=2),

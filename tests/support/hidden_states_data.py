@@ -1,4 +1,5 @@
-"""Small, deterministic inputs for tests: a tiny verifier and a fabricated responses partition.
+"""Small, deterministic inputs for tests: a tiny verifier, a fabricated responses partition, and the inputs of
+``draft_model`` built from them.
 
 Both are the project's own (``eagle3_assets.local.tiny_model``, ``eagle3_assets.sample_data``, which the
 benchmarks use too); here with the tests' smaller default shape (hidden 64, vocabulary 1,024).
@@ -9,8 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3_assets.sample_data import fabricate_responses
+from eagle3_assets.storage import DataLayout
 
-__all__ = ["cached_tiny_verifier", "fabricate_responses", "tiny_verifier"]
+# two training partitions and one held out
+TRAINING_KEYS = ["00000", "00001", "00002"]
+
+__all__ = [
+    "TRAINING_KEYS",
+    "cached_tiny_verifier",
+    "copy_training_inputs",
+    "fabricate_responses",
+    "tiny_verifier",
+    "training_inputs",
+]
 
 
 def tiny_verifier(
@@ -32,3 +44,39 @@ def cached_tiny_verifier(seed: int = 0, num_layers: int = 4, hidden_size: int = 
     from eagle3_assets.local.tiny_model import cached_tiny_model
 
     return cached_tiny_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
+
+
+def training_inputs(data_dir: Path) -> tuple[DataLayout, Path]:
+    """(a data dir ready for ``draft_model``, the tiny verifier): TRAINING_KEYS' hidden_states (48 fabricated
+    responses each) with what their assets record after the checks (their real outcomes; the responses were
+    fabricated whole), and a 256-token vocabulary mapping of the first two."""
+    from eagle3_assets import lineage, storage
+    from eagle3_assets.hidden_states import (
+        HiddenStatesConfig,
+        check_finite,
+        check_one_per_ok_response,
+        check_token_ids,
+        extract_partition,
+    )
+    from eagle3_assets.training import build_vocab_mapping
+
+    verifier = cached_tiny_verifier()
+    layout = DataLayout.at(data_dir)
+    for key in TRAINING_KEYS:
+        fabricate_responses(layout, key, 48, min_words=20, max_words=40)
+        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
+        digest = storage.file_digest(layout.responses_path(key))
+        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
+        checks = (check_token_ids, check_finite, check_one_per_ok_response)
+        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
+    build_vocab_mapping(layout, TRAINING_KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
+    return layout, verifier
+
+
+def copy_training_inputs(src: DataLayout, dst: Path) -> DataLayout:
+    """``training_inputs``' files copied to ``dst`` (a test's own data dir; the locks stay behind)."""
+    import shutil
+
+    for asset in ("synthetic_responses", "hidden_states", "vocab_mapping"):
+        shutil.copytree(src.asset_dir(asset), dst / asset, ignore=shutil.ignore_patterns("_locks"))
+    return DataLayout.at(dst)
