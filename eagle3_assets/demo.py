@@ -169,13 +169,11 @@ def run_stages(
 ) -> list[tuple[str, str, float]]:
     """Materialize every asset (every partition of the partitioned ones) in dependency order, one progress
     line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows."""
-    import dagster as dg
 
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 
     graph = defs.resolve_asset_graph()
-    assets = list(defs.assets or [])
     timings: list[tuple[str, str, float]] = []
     for key in graph.toposorted_asset_keys:
         name = key.to_user_string()
@@ -187,15 +185,7 @@ def run_stages(
         started = time.monotonic()
         for i, partition_key in enumerate(keys, start=1):
             step = time.monotonic()
-            result = dg.materialize(
-                assets,
-                selection=[key],
-                partition_key=partition_key,
-                instance=instance,
-                resources=defs.resources,
-                run_config=run_config,
-                raise_on_error=False,
-            )
+            result = materialize_asset(defs, instance, key, partition_key, run_config, raise_on_error=False)
             where = f" partition {partition_key} ({i}/{len(keys)})" if partition_key else ""
             if not result.success:
                 say(f"{name}{where}: FAILED: {_failure(result)}")
@@ -203,6 +193,28 @@ def run_stages(
             say(f"{name}{where}: ok in {time.monotonic() - step:.1f} s{_rows(result)}")
         timings.append((name, str(len(keys)) if partitioned else "-", time.monotonic() - started))
     return timings
+
+
+def materialize_asset(
+    defs: Any,
+    instance: Any,
+    key: Any,
+    partition_key: str | None = None,
+    run_config: dict[str, Any] | None = None,
+    raise_on_error: bool = True,
+) -> Any:
+    """One asset (one partition of it) of the Definitions ``defs``, run with their own resources, as the UI would."""
+    import dagster as dg
+
+    return dg.materialize(
+        list(defs.assets or []),
+        selection=[key],
+        partition_key=partition_key,
+        instance=instance,
+        resources=defs.resources,
+        run_config=run_config,
+        raise_on_error=raise_on_error,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

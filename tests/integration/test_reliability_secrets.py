@@ -56,6 +56,7 @@ def test_api_key_appears_in_no_file_event_or_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.demo import materialize_asset
     from support.hidden_states_data import cached_tiny_verifier
 
     dagster_home = tmp_path / "dagster_home"
@@ -82,22 +83,13 @@ def test_api_key_appears_in_no_file_event_or_log(
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         defs = build_definitions()  # resources from the environment, as `dagster dev` and the demo load them
-        assets = list(defs.assets or [])
         graph = defs.resolve_asset_graph()
         with dg.DagsterInstance.get() as instance:
             assert Path(instance.root_directory) == dagster_home  # a real on-disk instance, like `make dev`
 
-            def run(name: str, partition: str | None = None, **kwargs: object) -> dg.ExecuteInJobResult:
+            def run(name: str, partition: str | None = None, raise_on_error: bool = True) -> dg.ExecuteInJobResult:
                 config = {"ops": {name: {"config": ASSET_CONFIG[name]}}} if name in ASSET_CONFIG else None
-                return dg.materialize(
-                    assets,
-                    selection=[name],
-                    partition_key=partition,
-                    instance=instance,
-                    resources=defs.resources,
-                    run_config=config,
-                    **kwargs,  # type: ignore[arg-type]
-                )
+                return materialize_asset(defs, instance, name, partition, config, raise_on_error)
 
             # the opt-in regeneration_ablation is not one of the pipeline's stages
             order = [
