@@ -40,12 +40,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# the project and its test support (tests/support: the fake server)
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))  # this checkout's package, not whatever is installed
 
 from eagle3_assets.generation.capacity import metrics_url, parse_load  # noqa: E402
 from eagle3_assets.local.process_group import stop_process_group  # noqa: E402
-from support.fake_vllm import FakeConfig, FakeServerProcess  # noqa: E402
+from fake_vllm import FakeConfig, FakeServerProcess  # noqa: E402
 
 
 def in_order_ceiling(durations: list[float], capacity: int) -> float:

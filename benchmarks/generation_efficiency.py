@@ -40,12 +40,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 # the checkout whose engine runs: this one, or (in a child of --before) the one given
 ROOT = Path(os.environ.get("EAGLE3_BENCH_TREE") or HERE)
-# the project, and this checkout's test support (tests/support: the fake server)
-sys.path[:0] = [str(ROOT), str(HERE / "tests")]
+sys.path.insert(0, str(ROOT))  # that checkout's engine; the fake server (fake_vllm) is this folder's
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition  # noqa: E402
 from eagle3_assets.storage import DataLayout  # noqa: E402
-from support.fake_vllm import FakeConfig, FakeServerProcess, response_length  # noqa: E402
+from fake_vllm import FakeConfig, FakeServerProcess, response_length  # noqa: E402
 
 
 def make_prompts(n: int, tag: str = "benchmark") -> list[PromptToGenerate]:

@@ -18,8 +18,8 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import REPO_ROOT
-from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_process,
     initialize_storage,

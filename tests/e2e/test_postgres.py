@@ -20,8 +20,8 @@ import pytest
 from eagle3_assets import cli
 from eagle3_assets.local.vllm_server import find_free_port
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import REPO_ROOT
-from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     backfill_missing_through_daemon,
     initialize_storage,

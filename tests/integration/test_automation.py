@@ -10,7 +10,7 @@ import pytest
 
 from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition, code_location_settings
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_daemon,
     initialize_storage,

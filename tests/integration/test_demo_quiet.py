@@ -12,7 +12,7 @@ from eagle3_assets import demo
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.registry import default_resources
-from support.fake_vllm import FakeConfig, serve_in_thread
+from fake_vllm import FakeConfig, serve_in_thread
 from support.operations import write_prompts
 
 

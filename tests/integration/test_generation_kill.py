@@ -13,8 +13,8 @@ import polars as pl
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
-from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00003"
 N = 1000

@@ -25,8 +25,8 @@ from eagle3_assets.generation.engine import Engine
 from eagle3_assets.generation.journal import Journal, read_journal
 from eagle3_assets.generation.replies import Completion
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 from support.common import error_chain, make_resources, materialize_responses, write_jsonl
-from support.fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 from support.reliability import quick_config
 
 KEY = "00000"

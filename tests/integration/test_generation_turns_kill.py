@@ -19,8 +19,8 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.generation.turns import turns_store_path
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
-from support.fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 
 KEY = "00025"
 N, TURNS, C = 60, 4, 16

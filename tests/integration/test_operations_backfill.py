@@ -11,7 +11,7 @@ import pytest
 from eagle3_assets import cli, prompts
 from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     backfill_missing_through_daemon,
     initialize_storage,

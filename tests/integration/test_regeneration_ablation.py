@@ -14,8 +14,8 @@ from eagle3_assets.generation import GenerationConfig
 from eagle3_assets.prompts import build_prompt_table, dataset_turns_path
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, get_json, post_json, serve_in_thread
 from support.common import write_jsonl
-from support.fake_vllm import FakeConfig, get_json, post_json, serve_in_thread
 
 
 def _conversation(i: int, turns: int) -> dict:

@@ -23,8 +23,8 @@ from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout, PartitionBusyError
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env, make_resources, materialize_responses, reaped, write_jsonl
-from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import journal_lines, make_prompts, quick_config, wait_for
 
 # The first writer: generate_partition of one partition in its own process, slow enough to be caught mid-run.

@@ -19,8 +19,8 @@ from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, get_json, serve_in_thread
 from support.common import child_env, error_chain, make_resources, materialize_responses, write_jsonl
-from support.fake_vllm import FakeConfig, get_json, serve_in_thread
 from support.reliability import closed_port_url, make_prompts, quick_config
 
 

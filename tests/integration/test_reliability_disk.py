@@ -18,7 +18,7 @@ from eagle3_assets import storage
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout, DiskSpaceError
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import key_of, make_prompts, quick_config
 
 

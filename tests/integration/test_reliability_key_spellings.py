@@ -19,8 +19,8 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.local import vllm_server as vs
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.fake_extraction import ExtractionFake, serve_extraction
-from support.fake_vllm import FakeConfig, FakeServerProcess
 
 SECRET = "sk-spelled-0a1b2c3d4e5f"
 PASSWORD = "pw-in-url-9z8y7x6w"

@@ -18,7 +18,7 @@ import pytest
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import block_before_rename, block_inside_parquet_write, journal_lines, sigkill_child_when
 
 KEY = "00007"

@@ -24,8 +24,8 @@ from eagle3_assets.generation.fingerprint import (
 )
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import make_resources, write_jsonl
-from support.fake_vllm import FakeConfig, FakeServerProcess
 
 KEY = "00000"
 N = 12

@@ -27,7 +27,7 @@ from eagle3_assets.generation.endpoints import EndpointPool
 from eagle3_assets.generation.errors import OutageError
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
+from fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 
 KEY = "00000"
 pytestmark = pytest.mark.timeout(120, method="thread")

@@ -24,8 +24,8 @@ import pytest
 
 from eagle3_assets.local import vllm_server as vs
 from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import write_jsonl
-from support.fake_vllm import FakeConfig, FakeServerProcess
 
 SECRET = "sk-reliability-7f3a9c-do-not-leak"
 WRONG = "sk-wrong-key-5e1b2d-do-not-leak-either"

@@ -16,7 +16,7 @@ from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess, draw_fault
+from fake_vllm import FakeConfig, FakeServerProcess, draw_fault
 from support.reliability import (
     journal_lines,
     key_of,

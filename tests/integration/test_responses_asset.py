@@ -10,8 +10,8 @@ import polars as pl
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.storage import DataLayout, partition_row_counts
+from fake_vllm import FakeConfig, serve_in_thread
 from support.common import make_resources, materialize_responses, write_jsonl
-from support.fake_vllm import FakeConfig, serve_in_thread
 
 
 def test_partitions_materialize_with_metadata_and_checks(

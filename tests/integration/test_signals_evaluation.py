@@ -11,8 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env
-from support.fake_vllm import FakeConfig, FakeServerProcess
 from support.signals import STOP_WITHIN_S, alive, descendants
 
 CHILD = textwrap.dedent(

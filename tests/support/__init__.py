@@ -1,5 +1,6 @@
-"""Test-only code: the fake vLLM server, data builders, and helpers shared by the test tiers and benchmarks.
+"""Test-only code: data builders and helpers shared by the test tiers (the fake vLLM server is ``benchmarks/``'s).
 
-Nothing here ships in the ``eagle3_assets`` package. pytest puts ``tests/`` on ``sys.path`` (``pythonpath`` in
-pyproject.toml); benchmarks and child processes get it through :func:`support.common.child_env`.
+Nothing here ships in the ``eagle3_assets`` package, and no benchmark imports it. pytest puts ``tests/`` and
+``benchmarks/`` on ``sys.path`` (``pythonpath`` in pyproject.toml); child processes get both through
+:func:`support.common.child_env`.
 """

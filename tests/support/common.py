@@ -20,8 +20,9 @@ REPO_ROOT = TESTS_DIR.parent
 
 
 def python_path() -> str:
-    """PYTHONPATH for a child interpreter: the repository (``eagle3_assets``) and ``tests/`` (``support``)."""
-    parts = [str(REPO_ROOT), str(TESTS_DIR)]
+    """PYTHONPATH for a child interpreter: the repository (``eagle3_assets``), ``tests/`` (``support``) and
+    ``benchmarks/`` (the fake vLLM server, ``fake_vllm``)."""
+    parts = [str(REPO_ROOT), str(TESTS_DIR), str(REPO_ROOT / "benchmarks")]
     inherited = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join(parts + ([inherited] if inherited else []))
 

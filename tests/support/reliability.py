@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
+from fake_vllm import FakeConfig, FakeServerProcess, config_to_args, prompt_key
 from support.common import child_env, journal_lines, reaped  # noqa: F401 (journal_lines: tests import it from here)
-from support.fake_vllm import FakeConfig, FakeServerProcess, config_to_args, prompt_key
 
 
 def make_prompts(n: int, tag: str = "r") -> list[PromptToGenerate]:
@@ -68,7 +68,7 @@ class RestartableServer(FakeServerProcess):
         self.port = port or free_port()
 
     def start(self) -> RestartableServer:
-        cmd = [sys.executable, "-m", "support.fake_vllm", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "fake_vllm", "--host", "127.0.0.1", "--port", str(self.port)]
         deadline = time.monotonic() + 15
         while True:  # the port can stay busy for a moment after a crash
             self.proc = subprocess.Popen(

@@ -252,7 +252,7 @@ def slow_generation(root: Path, prompts: int, dagster_yaml: str | None = None) -
     """A fake server at ~7 s a response (~100 tokens at 15 tok/s; 4 in flight: ~30 s for 16 prompts) and a pipeline
     of one ``prompts``-sized partition over it (its DAGSTER_HOME's ``dagster.yaml`` replaced by ``dagster_yaml`` if
     given), raw_prompts materialized: a generating run there is still running when the test stops it."""
-    from support.fake_vllm import FakeConfig, FakeServerProcess
+    from fake_vllm import FakeConfig, FakeServerProcess
 
     with FakeServerProcess(FakeConfig(token_rate=15, median_tokens=100, sigma=0.3)) as server:
         env = {"EAGLE3_CONCURRENCY": "4", "EAGLE3_MAX_TOKENS": "400"}

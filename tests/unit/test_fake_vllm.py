@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from support.fake_vllm import (
+from fake_vllm import (
     FAULT_KINDS,
     FakeConfig,
     config_to_args,

@@ -14,7 +14,7 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.capacity import PartitionLine, ServerAdmission, ServerLoad, metrics_url, parse_load
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 
 # The scheduler part of a vLLM 0.32 page: two engines (data parallel), a breakdown gauge that must not be
 # added to the total, and histogram noise around it.

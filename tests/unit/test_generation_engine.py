@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import polars as pl
 import pytest
 
+import fake_responses as served
 from eagle3_assets import storage
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA
 from eagle3_assets.storage import DataLayout
-from support import fake_responses as served
-from support.fake_vllm import FakeConfig, FakeServerProcess
+from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import quick_config
 
 KEY = "00000"

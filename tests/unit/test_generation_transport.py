@@ -26,8 +26,8 @@ from eagle3_assets.generation.transport import (
     aiohttp_session,
     make_transports,
 )
-from support.fake_faults import FAULT_KINDS
-from support.fake_vllm import FakeConfig, prompt_key, prompt_token_ids, prompt_tokens, serve_in_thread, token_ids
+from fake_faults import FAULT_KINDS
+from fake_vllm import FakeConfig, prompt_key, prompt_token_ids, prompt_tokens, serve_in_thread, token_ids
 
 MESSAGES = [{"role": "system", "content": "Think, then answer."}]
 KINDS = ("aiohttp", "openai")

@@ -12,7 +12,7 @@ from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generat
 from eagle3_assets.generation.turns import model_spans, turns_store_path
 from eagle3_assets.hidden_states.samples import loss_mask
 from eagle3_assets.storage import DataLayout
-from support.fake_vllm import FakeConfig, prompt_key, serve_in_thread
+from fake_vllm import FakeConfig, prompt_key, serve_in_thread
 
 KEY = "00000"
 
@@ -44,7 +44,7 @@ def _config(url: str, **kw: object) -> GenerationConfig:
 
 
 def _stats(url: str) -> dict:
-    from support.fake_vllm import get_json
+    from fake_vllm import get_json
 
     return get_json(url.removesuffix("/v1") + "/stats")
 

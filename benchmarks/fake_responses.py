@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
-from support.fake_faults import FakeConfig, uniform
+from fake_faults import FakeConfig, uniform
 
 _FORCED_TOKENS = re.compile(r"\[\[fake_tokens=(\d+)\]\]")
 _TOKEN_WIDTH = 6

@@ -1,6 +1,6 @@
 """A fake vLLM OpenAI-compatible server for tests and benchmarks.
 
-Run it with ``python -m support.fake_vllm --port 8000`` (``--port 0`` picks a free port; the first
+Run it with ``python -m fake_vllm --port 8000`` (``--port 0`` picks a free port; the first
 stdout line is ``READY <port>``), or start it from Python with :class:`FakeServerProcess` (a subprocess,
 so its CPU time is not charged to the client being measured) or :func:`serve_in_thread`.
 
@@ -38,8 +38,8 @@ cores with the client under test, so every microsecond it spends per request or 
 client's numbers.
 
 Layout: this module is the public API (it re-exports the names below) and the process/CLI entry point;
-:mod:`support.fake_faults` holds the configuration and fault injection, :mod:`support.fake_responses` the
-lengths and token text, :mod:`support.fake_http` the HTTP layer, :mod:`support.fake_capacity` the
+:mod:`fake_faults` holds the configuration and fault injection, :mod:`fake_responses` the
+lengths and token text, :mod:`fake_http` the HTTP layer, :mod:`fake_capacity` the
 ``max_num_seqs`` scheduler.
 """
 
@@ -59,10 +59,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-# Re-exported: tests and benchmarks import these names from support.fake_vllm.
-from support.fake_faults import FAULT_KINDS, LYING_FAULTS, FakeConfig, config_to_args, draw_fault
-from support.fake_http import FakeVLLM
-from support.fake_responses import (
+# Re-exported: tests and benchmarks import these names from fake_vllm.
+from fake_faults import FAULT_KINDS, LYING_FAULTS, FakeConfig, config_to_args, draw_fault
+from fake_http import FakeVLLM
+from fake_responses import (
     natural_length,
     prompt_key,
     prompt_token_ids,
@@ -92,7 +92,7 @@ def _parse_bool(text: str) -> bool:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[FakeConfig, str, int]:
-    parser = argparse.ArgumentParser(prog="python -m support.fake_vllm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fake_vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     defaults = FakeConfig()
@@ -129,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _python_path() -> str:
-    tests_dir = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parent  # benchmarks/, beside the repository's package
     inherited = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join([str(tests_dir.parent), str(tests_dir)] + ([inherited] if inherited else []))
+    return os.pathsep.join([str(here.parent), str(here)] + ([inherited] if inherited else []))
 
 
 class FakeServerProcess:
@@ -152,12 +152,12 @@ class FakeServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> FakeServerProcess:
-        cmd = [sys.executable, "-m", "support.fake_vllm", "--host", self.host, "--port", "0"]
+        cmd = [sys.executable, "-m", "fake_vllm", "--host", self.host, "--port", "0"]
         self.proc = subprocess.Popen(
             cmd + config_to_args(self.config),
             stdout=subprocess.PIPE,
             text=True,
-            # tests/ on the path, so the child finds this module as ``support.fake_vllm``
+            # benchmarks/ on the path, so the child finds this module as ``fake_vllm``
             env={**os.environ, "PYTHONPATH": _python_path(), "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None

@@ -15,9 +15,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from support import fake_responses as responses
-from support.fake_capacity import Scheduler
-from support.fake_faults import LYING_FAULTS, FakeConfig, draw_fault, lie
+import fake_responses as responses
+from fake_capacity import Scheduler
+from fake_faults import LYING_FAULTS, FakeConfig, draw_fault, lie
 
 _REASONS = {
     200: "OK",

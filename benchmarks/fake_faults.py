@@ -3,8 +3,8 @@
 :class:`FakeConfig` is everything a fake server can be told (also as command-line flags, see
 :func:`config_to_args`); :func:`draw_fault` picks the fault a request gets, deterministically from
 (seed, prompt, how many times that prompt was seen before), and :func:`lie` gives a well-formed body a field
-of the wrong type. Kept apart from the HTTP layer (:mod:`support.fake_http`) and the response model
-(:mod:`support.fake_responses`) so each stays readable.
+of the wrong type. Kept apart from the HTTP layer (:mod:`fake_http`) and the response model
+(:mod:`fake_responses`) so each stays readable.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fake vLLM server's capacity model: vLLM's ``--max-num-seqs`` admission and its scheduler gauges.
 
-Kept apart from :mod:`support.fake_http` (the HTTP layer) and :mod:`support.fake_responses` (the response
+Kept apart from :mod:`fake_http` (the HTTP layer) and :mod:`fake_responses` (the response
 model) so each stays readable; the server creates one :class:`Scheduler` and awaits ``admit()`` / calls
 ``release()`` around every generation.
 """
@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from support.fake_http import FakeVLLM
+    from fake_http import FakeVLLM
 
 
 class Scheduler:
