@@ -1,5 +1,6 @@
-"""What the benchmarks on the tiny verifier share: this checkout's package first on ``sys.path`` (they run as
-scripts: what is measured is the code beside them, not whatever is installed), and the verifier's shape options.
+"""What the benchmarks share: this checkout's package first on ``sys.path`` (they run as scripts: what is measured
+is the code beside them, not whatever is installed), the tiny verifier's shape options, and a Dagster CLI in its
+own process group (the tests start theirs with it too).
 
 A benchmark imports it before the project: ``import _common`` (its own folder is on ``sys.path``).
 """
@@ -7,7 +8,12 @@ A benchmark imports it before the project: ``import _common`` (its own folder is
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,3 +39,37 @@ def tiny_model(args: argparse.Namespace) -> Path:
     from eagle3_assets.local.tiny_model import cached_tiny_model
 
     return cached_tiny_model(num_layers=args.layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+
+
+def default_signals() -> None:
+    # A process started from a backgrounded shell inherits SIGINT ignored, and Dagster's CLIs then never
+    # stop on SIGINT: give them the default handlers back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def dagster_process(
+    args: list[str], env: dict[str, str], cwd: Path, log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A Dagster CLI (``dagster-daemon``, ``dagster-webserver``) from this venv as a subprocess in its own
+    process group (its code server goes with it), stopped with SIGINT (``stop_process_group``: SIGTERM after
+    30 s, then SIGKILL)."""
+    exe = Path(sys.executable).with_name(args[0])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(exe), *args[1:]],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=default_signals,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            from eagle3_assets.local.process_group import stop_process_group
+
+            stop_process_group(proc.pid, grace_s=30.0, process=proc)

@@ -27,9 +27,6 @@ import heapq
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,10 +37,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package, not whatever is installed
-
+import _common  # noqa: E402 (this checkout's package first on sys.path)
 from eagle3_assets.generation.capacity import metrics_url, parse_load  # noqa: E402
-from eagle3_assets.local.process_group import stop_process_group  # noqa: E402
 from fake_vllm import FakeConfig, FakeServerProcess  # noqa: E402
 
 
@@ -70,31 +65,6 @@ def write_inputs(root: Path, partitions: int, size: int) -> dict[str, Path]:
         "      location_name: eagle3_assets\n"
     )
     return {"prompts": prompts, "home": home, "workspace": workspace, "data": root / "data"}
-
-
-@contextmanager
-def daemon(workspace: Path, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``dagster-daemon run`` in its own process group (its code server goes with it)."""
-    exe = Path(sys.executable).with_name("dagster-daemon")
-
-    def default_signals() -> None:  # a backgrounded shell may have left SIGINT ignored
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(exe), "run", "-w", str(workspace)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=workspace.parent,
-            start_new_session=True,
-            preexec_fn=default_signals,
-        )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            stop_process_group(proc.pid, grace_s=30.0, process=proc)
 
 
 class LoadSampler:
@@ -150,7 +120,9 @@ def run_backfill(paths: dict[str, Path], env: dict[str, str], partitions: int, t
         # Every storage created now: the daemon and this process creating the SQLite schemas at once collide.
         instance.get_runs(limit=1), instance.get_backfills(), instance.all_instigator_state()
         instance.get_daemon_heartbeats()
-        with daemon(paths["workspace"], paths["home"].parent / "daemon.log") as proc:
+        command = ["dagster-daemon", "run", "-w", str(paths["workspace"])]
+        log = paths["home"].parent / "daemon.log"
+        with _common.dagster_process(command, {}, paths["workspace"].parent, log) as proc:
             plan = backfill.plan_missing(instance, downstream=False)
             backfill_id = backfill.launch(instance, plan)
             launched = time.time()

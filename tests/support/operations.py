@@ -4,20 +4,16 @@ server, a failed partition, and a dagster-daemon subprocess. No tests here."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
-from eagle3_assets.local.process_group import stop_process_group
+from _common import dagster_process
 from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT, make_resources, materialize_responses, write_jsonl
 
@@ -92,37 +88,6 @@ def initialize_storage(instance: dg.DagsterInstance) -> None:
     instance.all_instigator_state()
     instance.get_daemon_heartbeats()
     instance.get_latest_materialization_event(dg.AssetKey("raw_prompts"))
-
-
-def _default_signals() -> None:
-    # A process started from a backgrounded shell inherits SIGINT ignored, and Dagster's CLIs then never
-    # stop on SIGINT: give them the default handlers back.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextmanager
-def dagster_process(
-    args: list[str], env: dict[str, str], cwd: Path, log_path: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A Dagster CLI (``dagster-daemon``, ``dagster-webserver``) from this venv as a subprocess in its own
-    process group (its code server goes with it), stopped with SIGINT, then SIGKILL after 30 s."""
-    exe = Path(sys.executable).with_name(args[0])
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(exe), *args[1:]],
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=_default_signals,
-        )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            stop_process_group(proc.pid, grace_s=30.0, process=proc)
 
 
 def dagster_daemon(workspace: Path, env: dict[str, str], log_path: Path):  # type: ignore[no-untyped-def]

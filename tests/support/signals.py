@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _common import default_signals
 from support.common import child_env, journal_lines, send_json  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
@@ -43,13 +44,6 @@ def make_pipeline(root: Path, prompts: int, partition_size: int, base_url: str, 
     return Pipeline(root, home, data_dir, child_env(**env))
 
 
-def _default_signals() -> None:
-    # A process started from a backgrounded shell inherits SIGINT ignored; a terminal's Ctrl-C or `kill -INT`
-    # reaches a process whose handlers are the defaults, so give them back (Python then installs its own).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def dagster_command(*args: str) -> list[str]:
     """``dagster ARGS`` from this venv (the console script next to the interpreter)."""
     return [str(Path(sys.executable).with_name("dagster")), *args]
@@ -70,7 +64,7 @@ def start(pipeline: Pipeline, command: list[str], name: str) -> subprocess.Popen
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_default_signals,
+            preexec_fn=default_signals,
         )
 
 
