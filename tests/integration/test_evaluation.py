@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,44 +49,25 @@ def test_anchor_acceptance_counts_the_matching_prefix() -> None:
     assert all(acc2[c] == -1 for c in range(4, 8)) and acc2[3] == K
 
 
+def _stats(draft: str, mode: str, drafts: int, accepted_per_position: list[int], **extra: Any) -> AcceptanceStats:
+    """Stats of ``drafts`` K-token drafts: the draft and accepted token counts follow from them."""
+    return AcceptanceStats(
+        draft,
+        mode,
+        K,
+        drafts=drafts,
+        draft_tokens=drafts * K,
+        accepted_tokens=sum(accepted_per_position),
+        accepted_per_position=accepted_per_position,
+        **extra,
+    )
+
+
 def test_stats_and_report_files(tmp_path: Path) -> None:
-    trained = AcceptanceStats(
-        "trained",
-        "online",
-        K,
-        drafts=10,
-        draft_tokens=30,
-        accepted_tokens=15,
-        accepted_per_position=[8, 5, 2],
-        output_tokens=250,
-        seconds=5.0,
-    )
-    offline = AcceptanceStats(
-        "trained", "offline", K, drafts=100, draft_tokens=300, accepted_tokens=140, accepted_per_position=[70, 45, 25]
-    )
-    untrained = AcceptanceStats(
-        "untrained",
-        "online",
-        K,
-        drafts=40,
-        draft_tokens=120,
-        accepted_tokens=0,
-        accepted_per_position=[0, 0, 0],
-        output_tokens=250,
-        seconds=20.0,
-    )
-    humaneval = AcceptanceStats(
-        "trained",
-        "online",
-        K,
-        drafts=20,
-        draft_tokens=60,
-        accepted_tokens=20,
-        accepted_per_position=[10, 6, 4],
-        output_tokens=100,
-        seconds=1.0,
-        prompt_set="humaneval",
-    )
+    trained = _stats("trained", "online", 10, [8, 5, 2], output_tokens=250, seconds=5.0)
+    offline = _stats("trained", "offline", 100, [70, 45, 25])
+    untrained = _stats("untrained", "online", 40, [0, 0, 0], output_tokens=250, seconds=20.0)
+    humaneval = _stats("trained", "online", 20, [10, 6, 4], output_tokens=100, seconds=1.0, prompt_set="humaneval")
     assert trained.mean_acceptance_length == 2.5
     assert trained.acceptance_rate_per_position == [0.8, 0.5, 0.2]
     report = EvaluationReport(
