@@ -107,9 +107,7 @@ class AiohttpTransport:
                 # idle timeout, but this task wakes once per response instead of once per SSE chunk.
                 await response.content.wait_eof()
                 return parse_sse(await response.read())
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
+        except Exception as error:  # not a cancellation: CancelledError is no Exception
             raise classify(error) from error
 
     async def list_models(self) -> list[str]:
@@ -182,9 +180,7 @@ class OpenAITransport:
                     return await read_sse(response.aiter_bytes())
                 finally:
                     await response.aclose()
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
+        except Exception as error:  # not a cancellation: CancelledError is no Exception
             raise sdk_failure(error) from error
 
     async def list_models(self) -> list[str]:
