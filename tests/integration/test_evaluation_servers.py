@@ -4,10 +4,9 @@ evaluation's own responses (vLLM's per-request ``metrics.speculative_decoding``)
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from eagle3_assets.defs.registry import default_resources
 from eagle3_assets.defs.resources import EvaluationServersResource
 from eagle3_assets.evaluation.online import OnlineConfig, Prompt, measure
 from eagle3_assets.storage import DataLayout
-from support.common import send_body, send_json
+from support.common import send_body, send_json, stub_http_server
 
 K = 3
 # Each response reports 4 verify steps of its own: 1 accepted 0, 1 accepted 1, 2 accepted 3 (drafts of 3 tokens).
@@ -61,15 +60,9 @@ def stub_server(speculative: dict | None) -> Iterator[tuple[str, list[dict]]]:
                 reply["metrics"] = {"speculative_decoding": speculative}
             send_json(self, reply)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+    with stub_http_server(Handler) as base_url:
+        yield base_url, seen
         assert metrics_reads[0] == 0, "the evaluation read /metrics"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(5)]

@@ -12,7 +12,7 @@ import pytest
 
 from eagle3_assets.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
-from support.signals import HangingServer, log_text, make_pipeline, materialize_command, run, stop_mid_run
+from support.signals import hanging_server, log_text, make_pipeline, materialize_command, run, stop_mid_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 KEY = "00000"
@@ -21,7 +21,7 @@ EXTRACT = materialize_command("hidden_states", KEY)
 
 def test_vllm_extraction_stuck_on_its_server_stops_on_sigterm(tmp_path: Path) -> None:
     (tmp_path / "transfer").mkdir()
-    with HangingServer("eagle3-verifier") as server:
+    with hanging_server("eagle3-verifier") as server:
         pipeline = make_pipeline(
             tmp_path, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(cached_tiny_verifier()),
             EAGLE3_LAYER_IDS="1,2,3", EAGLE3_HIDDEN_STATES_BACKEND="vllm", EAGLE3_HIDDEN_STATES_URL=server.base_url,

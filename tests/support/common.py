@@ -7,9 +7,11 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from http.server import BaseHTTPRequestHandler
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +127,16 @@ def send_body(handler: BaseHTTPRequestHandler, body: bytes, content_type: str | 
 
 def send_json(handler: BaseHTTPRequestHandler, payload: Any) -> None:
     send_body(handler, json.dumps(payload).encode(), "application/json")
+
+
+@contextmanager
+def stub_http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served from a thread on a free local port; yields its OpenAI-style base URL (``.../v1``)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import default_signals
-from support.common import child_env, journal_lines, send_json  # noqa: F401 (journal_lines: tests import it from here)
+from support.common import child_env, journal_lines, send_json, stub_http_server  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
 # The issue's bound: a run stops within 30 s of the signal (the code aims at a few seconds).
@@ -200,45 +200,41 @@ def stop_mid_run(
     return output
 
 
+@dataclass
 class HangingServer:
+    """What ``hanging_server`` yields: its base URL and the requests it received."""
+
+    base_url: str = ""
+    posts: int = 0
+
+
+@contextmanager
+def hanging_server(model: str) -> Iterator[HangingServer]:
     """An OpenAI-compatible server that lists one model and never answers a POST (a stuck extraction server):
-    ``with HangingServer("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
+    ``with hanging_server("name") as server: server.base_url``; ``server.posts`` counts the requests received."""
+    import threading
+    from http.server import BaseHTTPRequestHandler
 
-    def __init__(self, model: str) -> None:
-        import http.server
-        import threading
+    state = HangingServer()
+    release = threading.Event()
 
-        outer = self
-        self.posts = 0
-        self._release = threading.Event()
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # quiet
-                pass
+        def do_GET(self) -> None:
+            send_json(self, {"object": "list", "data": [{"id": model, "object": "model"}]})
 
-            def do_GET(self) -> None:
-                send_json(self, {"object": "list", "data": [{"id": model, "object": "model"}]})
+        def do_POST(self) -> None:
+            state.posts += 1
+            release.wait(600)
 
-            def do_POST(self) -> None:
-                outer.posts += 1
-                outer._release.wait(600)
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
-
-    def __enter__(self) -> HangingServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._release.set()
-        self._server.shutdown()
-        self._server.server_close()
+    with stub_http_server(Handler) as base_url:
+        state.base_url = base_url
+        try:
+            yield state
+        finally:
+            release.set()  # the stuck requests end before the server shuts down
 
 
 @contextmanager
