@@ -164,7 +164,8 @@ def test_asset_is_opt_in_and_reports_metadata(tmp_path: Path, server: str) -> No
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS, RegenerationAblationRunConfig
     from eagle3_assets.defs.automation import AUTOMATED_ASSETS
     from eagle3_assets.defs.inference import RemoteVLLMResource
-    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource, default_resources
+    from eagle3_assets.defs.registry import default_resources
+    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
 
     layout, verifier = _setup(tmp_path)
     resources = {
