@@ -187,3 +187,35 @@ def test_online_training_against_a_dead_extraction_server_fails_naming_it(stored
     (tmp_path / "transfer").mkdir()
     with pytest.raises(Exception, match=r"127\.0\.0\.1"):
         train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
+
+
+def test_the_embedded_server_stop_removes_what_aborted_requests_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An aborted request (the client retried after a timeout, a loader worker stopped mid-batch) leaves the
+    connector's ``.lock`` and maybe its file; once the run's embedded server stops they are removed, and nothing
+    else in the folder is touched (CI saw a stray ``.safetensors.lock`` after an online run)."""
+    from eagle3_assets.local import extraction as local_extraction
+    from eagle3_assets.training.online import online_extraction, serving
+
+    storage = tmp_path / "transfer"
+
+    class AbortingServer:
+        base_url = "http://127.0.0.1:1/v1"
+
+        def stop(self) -> None:  # what the connector leaves for an aborted request
+            (storage / "eagle3-hs-cmpl-1.safetensors.lock").write_bytes(b"")
+            (storage / "eagle3-hs-cmpl-2.safetensors").write_bytes(b"x")
+            (storage / "eagle3-hs-cmpl-2.safetensors.lock").write_bytes(b"")
+
+    def start(verifier: Path, layer_ids: list[int], path: Path, **kwargs: object) -> AbortingServer:
+        path.mkdir(parents=True)
+        (path / "notes.txt").write_text("not the connector's")
+        return AbortingServer()
+
+    monkeypatch.setattr(local_extraction, "start_extraction_server", start)
+    config = TrainConfig(hidden_states_source="online", online_backend="vllm")
+    extraction = online_extraction(config, tmp_path, {"max_seq_len": 64, "layer_ids": LAYERS})
+    with serving(extraction, storage) as served:
+        assert served.vllm.urls == (AbortingServer.base_url,)
+    assert sorted(p.name for p in storage.iterdir()) == ["notes.txt"]
