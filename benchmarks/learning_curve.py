@@ -217,6 +217,10 @@ def main() -> None:
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads on CPU for extraction, training and offline "
+        "evaluation; default: all cores but one (the project's default; give all cores on a machine left to this run)"
+    )  # fmt: skip
+    parser.add_argument(
         "--precision", default="", help="hidden states and training: auto|float32|bfloat16; default: bf16 where native"
     )
     parser.add_argument("--generator", choices=("vllm", "hf"), default="vllm")
@@ -285,7 +289,10 @@ def main() -> None:
 
     t0 = time.perf_counter()
     hs_config = HiddenStatesConfig(
-        device=args.device, precision=args.precision, batch_tokens=65536 if args.device != "cpu" else 8192
+        device=args.device,
+        precision=args.precision,
+        batch_tokens=65536 if args.device != "cpu" else 8192,
+        num_threads=args.threads,
     )
     for key in [*keys, HELD_OUT_KEY, HUMANEVAL_KEY]:
         result = extract_partition(layout, key, args.verifier, hs_config, log=lambda s: None)
@@ -319,7 +326,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         config = TrainConfig(
             epochs=args.epochs, lr=lr, init=init, device=args.device, tokens_per_batch=args.tokens_per_batch,
             ttt_steps=args.ttt_steps, max_val_batches=16, keep_checkpoints=1, precision=args.precision,
-            loss_on=args.loss_on,
+            loss_on=args.loss_on, num_threads=args.threads,
         )  # fmt: skip
         shutil.rmtree(layout.draft_model_dir, ignore_errors=True)
         t0 = time.perf_counter()
@@ -329,12 +336,15 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         t0 = time.perf_counter()
         accept = {}
         for label, key in (("held_out", HELD_OUT_KEY), ("humaneval", HUMANEVAL_KEY)):
-            stats = evaluate_offline({"trained": draft}, layout, key, k=3, verifier=args.verifier, log=lambda s: None)
+            stats = evaluate_offline(
+                {"trained": draft}, layout, key, k=3, verifier=args.verifier, log=lambda s: None,
+                num_threads=args.threads,
+            )  # fmt: skip
             accept[label] = stats[0].mean_acceptance_length
         point = {
             "samples": samples, "lr": lr, "init": init, "epochs": args.epochs, "steps": result.steps,
             "precision": args.precision, "draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps,
-            "tokens_per_batch": args.tokens_per_batch, "loss_on": args.loss_on,
+            "tokens_per_batch": args.tokens_per_batch, "loss_on": args.loss_on, "threads": args.threads,
             "tokens_trained": result.tokens_trained, "train_s": round(train_s, 1),
             "eval_s": round(time.perf_counter() - t0, 1), "val_loss": result.val_loss,
             "val_acceptance_length": result.val_acceptance_length,
