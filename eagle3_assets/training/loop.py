@@ -267,6 +267,7 @@ def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
     losses = []
     # a step's time includes fetching its batch (reading hidden states), the way a user waits for it
     t_prev, cpu_prev = time.perf_counter(), time.process_time()
+    progress = _Progress(run, epoch, t_prev)
     for step_in_epoch, batch in enumerate(run.train_loader):
         if step_in_epoch >= run.steps_per_epoch:
             break
@@ -286,7 +287,28 @@ def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
         run.history["tokens_trained"] += tokens
         run.history["loss_curve"].append({"step": run.history["steps"], "epoch": epoch, "loss": loss})
         losses.append(loss)
+        progress.step(step_in_epoch + 1, loss, tokens, now)
     return losses
+
+
+class _Progress:
+    """Rank 0's progress lines within an epoch, at most every ``config.progress_every_s`` seconds."""
+
+    def __init__(self, run: _Run, epoch: int, started: float) -> None:
+        self.run, self.epoch, self.started, self.last, self.tokens = run, epoch, started, started, 0
+
+    def step(self, step: int, loss: float, tokens: int, now: float) -> None:
+        self.tokens += tokens
+        run = self.run
+        if not run.ranks.main or now - self.last < run.config.progress_every_s:
+            return
+        self.last = now
+        elapsed = now - self.started
+        left_s = elapsed / step * (run.steps_per_epoch - step)
+        run.say(
+            f"draft_model epoch {self.epoch + 1}/{run.config.epochs}: step {step}/{run.steps_per_epoch}, "
+            f"loss {loss:.4f}, {self.tokens / elapsed:,.0f} tokens/s, ~{left_s / 60:.0f} min left in the epoch"
+        )
 
 
 def _end_epoch(run: _Run, epoch: int, losses: list[float], ckpt_dir: Path, on_epoch: EpochCallback | None) -> None:

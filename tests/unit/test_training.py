@@ -74,8 +74,13 @@ def test_training_beats_the_untrained_draft_and_reloads(data: DataLayout, verifi
     from speculators import SpeculatorModel
 
     layout = _copy_layout(data, tmp_path)
-    result = train_draft(layout, KEYS[:2], KEYS[2], verifier, FAST)
+    lines: list[str] = []
+    config = TrainConfig(**{**FAST.__dict__, "progress_every_s": 0.0})  # a progress line after every step
+    result = train_draft(layout, KEYS[:2], KEYS[2], verifier, config, log=lines.append)
     assert result.epochs == 3 and result.resumed_from_epoch is None
+    progress = [line for line in lines if ": step " in line]
+    assert len(progress) == result.steps, lines
+    assert progress[0].startswith("draft_model epoch 1/3: step 1/") and "tokens/s" in progress[0]
     assert result.val_loss[-1] < 0.5 * result.val_loss_untrained, (result.val_loss, result.val_loss_untrained)
     assert result.val_loss[-1] < result.val_loss[0]
     assert len(result.val_accuracy) == 3 and all(len(a) == FAST.ttt_steps for a in result.val_accuracy)
