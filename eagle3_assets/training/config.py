@@ -47,7 +47,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     # A progress line (step, loss, tokens/s, time left in the epoch) at most this often: an epoch of a real dataset
     # on a CPU takes most of an hour, and the epoch's own line comes only at its end. 0: after every step.
-    progress_every_s: float = 60.0
+    progress_interval_s: float = 60.0
     # training processes (torchrun ranks, DDP; gloo on CPU). tokens_per_batch stays the GLOBAL batch: each rank packs
     # tokens_per_batch // procs, so N processes take the same optimizer steps as one.
     procs: int = 1
@@ -91,8 +91,8 @@ class TrainConfig:
                 f"online_workers={self.online_workers!r}, prefetch_batches={self.prefetch_batches!r}: workers must be "
                 ">= 0 and prefetch_batches > 0"
             )
-        if not self.progress_every_s >= 0:
-            raise ConfigError(f"progress_every_s={self.progress_every_s!r}: must be 0 (every step) or more seconds")
+        if not self.progress_interval_s >= 0:
+            raise ConfigError(f"progress_interval_s={self.progress_interval_s!r}: must be >= 0 (0: every step)")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch <= 0:
             raise ConfigError(f"max_steps_per_epoch={self.max_steps_per_epoch!r}: must be positive or None")
 
@@ -102,7 +102,7 @@ class TrainConfig:
         # where the states come from: the same states (a stored or an online run resumes the other's checkpoint)
         ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches", "procs"}
         ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
-        ignored |= {"prefetch_batches", "progress_every_s"}
+        ignored |= {"prefetch_batches", "progress_interval_s"}
         fields = {k: v for k, v in asdict(self).items() if k not in ignored}
         if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid
             del fields["loss_on"]

@@ -292,7 +292,7 @@ def _train_epoch(run: _Run, epoch: int, timing: _Timing) -> list[float]:
 
 
 class _Progress:
-    """Rank 0's progress lines within an epoch, at most every ``config.progress_every_s`` seconds."""
+    """Rank 0's progress lines within an epoch, at most every ``config.progress_interval_s`` seconds."""
 
     def __init__(self, run: _Run, epoch: int, started: float) -> None:
         self.run, self.epoch, self.started, self.last, self.tokens = run, epoch, started, started, 0
@@ -300,7 +300,7 @@ class _Progress:
     def step(self, step: int, loss: float, tokens: int, now: float) -> None:
         self.tokens += tokens
         run = self.run
-        if not run.ranks.main or now - self.last < run.config.progress_every_s:
+        if not run.ranks.main or now - self.last < run.config.progress_interval_s:
             return
         self.last = now
         elapsed = now - self.started

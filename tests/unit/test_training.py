@@ -75,7 +75,7 @@ def test_training_beats_the_untrained_draft_and_reloads(data: DataLayout, verifi
 
     layout = _copy_layout(data, tmp_path)
     lines: list[str] = []
-    config = TrainConfig(**{**FAST.__dict__, "progress_every_s": 0.0})  # a progress line after every step
+    config = TrainConfig(**{**FAST.__dict__, "progress_interval_s": 0.0})  # a progress line after every step
     result = train_draft(layout, KEYS[:2], KEYS[2], verifier, config, log=lines.append)
     assert result.epochs == 3 and result.resumed_from_epoch is None
     progress = [line for line in lines if ": step " in line]
