@@ -257,7 +257,7 @@ def main() -> None:
     layout = DataLayout.at(args.data)
     curve_path = args.curve or args.data / "curve.jsonl"
     done = (
-        {(r["samples"], r["lr"], r["init"]) for r in map(json.loads, curve_path.open())}
+        {(r["samples"], r["epochs"], r["lr"], r["init"]) for r in map(json.loads, curve_path.open())}
         if curve_path.exists()
         else set()
     )
@@ -317,7 +317,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
     lrs = [float(x) for x in args.lr.split(",")]
     points = [(n, lrs[0], args.init) for n in sizes] + [(max(sizes), lr, args.init) for lr in lrs[1:]]
     for samples, lr, init in points:
-        if (samples, lr, init) in done:
+        if (samples, args.epochs, lr, init) in done:  # a point is its size, epochs, lr and init
             continue
         if time.perf_counter() - started > args.deadline_s:
             print(f"deadline: skipping {samples} samples lr {lr}", flush=True)
@@ -354,7 +354,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         with curve_path.open("a") as handle:
             handle.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
-        kept = args.data / "drafts" / f"n{samples}-lr{lr}-{init}"
+        kept = args.data / "drafts" / f"n{samples}-e{args.epochs}-lr{lr}-{init}"
         shutil.rmtree(kept, ignore_errors=True)
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(result.final_dir, kept)
