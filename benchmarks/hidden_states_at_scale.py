@@ -66,7 +66,9 @@ def _extract(layout: Any, keys: list[str], verifier: Path, dtype: str, args: Any
             layout,
             key,
             verifier,
-            HiddenStatesConfig(dtype=dtype, precision=args.precision, layer_ids=args.layer_ids),
+            HiddenStatesConfig(
+                dtype=dtype, precision=args.precision, layer_ids=args.layer_ids, num_threads=args.threads
+            ),
             log=lambda _m: None,
         )
         tokens, bytes_ = tokens + result.tokens, bytes_ + result.bytes
@@ -93,13 +95,15 @@ def _train_and_measure(layout: Any, eval_layout: Any, keys: list[str], verifier:
     shutil.rmtree(layout.draft_model_dir, ignore_errors=True)
     config = TrainConfig(
         epochs=args.epochs, lr=args.lr, tokens_per_batch=args.tokens_per_batch, device="cpu", max_val_batches=16,
-        keep_checkpoints=1, precision=args.precision, loss_on=args.loss_on, **over,
+        keep_checkpoints=1, precision=args.precision, loss_on=args.loss_on, num_threads=args.threads, **over,
     )  # fmt: skip
     result = train_draft(layout, keys, HELD_OUT_KEY, verifier, config, log=lambda _m: None)
     draft = load_draft(result.final_dir, verifier)
     accept = {}
     for label, key in (("held_out", HELD_OUT_KEY), ("humaneval", HUMANEVAL_KEY)):
-        stats = evaluate_offline({"d": draft}, eval_layout, key, k=3, verifier=verifier, log=lambda _m: None)
+        stats = evaluate_offline(
+            {"d": draft}, eval_layout, key, k=3, verifier=verifier, log=lambda _m: None, num_threads=args.threads
+        )
         accept[label] = round(stats[0].mean_acceptance_length, 3)
     seconds = result.hidden_states["wait_s"] + result.hidden_states["train_s"]
     return {**accept, "tokens_per_s": round(result.tokens_trained / seconds, 1), **result.hidden_states}
@@ -117,6 +121,10 @@ def main() -> None:
     parser.add_argument("--loss-on", default="all", help="training loss positions: assistant|all (TrainConfig)")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--precision", default="float32", help="hidden-state compute and training autocast")
+    parser.add_argument(
+        "--threads", type=int,
+        help="torch threads on CPU for extraction, training and offline evaluation; default: all cores but one",
+    )  # fmt: skip
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument(
         "--layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="default: the verifier's (EAGLE-3's rule)"
