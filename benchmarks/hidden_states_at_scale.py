@@ -41,6 +41,16 @@ def _layout_with_responses(data: Path, work: Path, keys: list[str]) -> Any:
     return layout
 
 
+def _relink(src: str, dst: str) -> str:
+    """Hard-link ``src`` at ``dst``, replacing what a previous run of this benchmark left there (a re-run resumes)."""
+    if os.path.lexists(dst):
+        if os.path.samefile(src, dst):
+            return dst
+        os.unlink(dst)
+    os.link(src, dst)
+    return dst
+
+
 def _link_states(src_data: Path, layout: Any, keys: list[str]) -> None:
     """Hard-link another data dir's finished partitions (same responses, dtype and precision) into ``layout``:
     extraction then finds them complete and only totals them (saves an extraction pass; ``extract_s`` is then the
@@ -51,7 +61,7 @@ def _link_states(src_data: Path, layout: Any, keys: list[str]) -> None:
     for key in keys:
         for entry in src.glob(f"{key}*"):
             if entry.is_dir():
-                shutil.copytree(entry, dst / entry.name, copy_function=os.link, dirs_exist_ok=True)
+                shutil.copytree(entry, dst / entry.name, copy_function=_relink, dirs_exist_ok=True)
             else:
                 shutil.copy2(entry, dst / entry.name)
 
