@@ -64,7 +64,7 @@ def _link_states(src_data: Path, layout: Any, keys: list[str]) -> None:
                 shutil.copytree(entry, dst / entry.name, copy_function=_relink, dirs_exist_ok=True)
             else:
                 (dst / entry.name).unlink(missing_ok=True)  # a re-run: a copy (or link) an earlier run left
-            shutil.copy2(entry, dst / entry.name)
+                shutil.copy2(entry, dst / entry.name)
 
 
 def _extract(layout: Any, keys: list[str], verifier: Path, dtype: str, args: Any) -> dict[str, float]:
