@@ -189,6 +189,41 @@ def test_online_training_against_a_dead_extraction_server_fails_naming_it(stored
         train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
 
 
+@pytest.mark.parametrize("lie", ["wrong_ids", "garbage"])
+def test_a_lying_extraction_server_fails_the_run_and_a_rerun_resumes_from_the_last_checkpoint(
+    stored: DataLayout, tmp_path: Path, lie: str
+) -> None:
+    """Mid-run the extraction server starts lying (states for other token ids, or a file that is not safetensors):
+    the run stops naming the server and what it sent, no checkpoint past the last honest epoch is written and the
+    published draft is the one before; the next run resumes from that checkpoint."""
+    from support.fake_extraction import ExtractionFake, serve_extraction
+
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    online = {**BASE.__dict__, "hidden_states_source": "online", "online_workers": 0}
+    first = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), TrainConfig(**{**online, "epochs": 1}))
+    ckpt_dir = layout.draft_model_dir / "checkpoints"
+    checkpoints = sorted(p.name for p in ckpt_dir.glob("epoch_*.pt"))
+    history = (layout.draft_model_dir / "training_history.json").read_bytes()
+    assert first.epochs == 1 and checkpoints
+
+    storage = tmp_path / "transfer"
+    storage.mkdir()
+    with serve_extraction(ExtractionFake(storage, mode=lie)) as url:
+        lying = TrainConfig(
+            **{**online, "epochs": 3, "online_backend": "vllm", "online_urls": (url,), "online_storage": str(storage)}
+        )
+        with pytest.raises(Exception) as caught:
+            train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), lying)
+    text = str(caught.value)
+    assert url.removesuffix("/v1").split("//")[1] in text, text
+    assert ("token_ids differ" if lie == "wrong_ids" else "not a readable safetensors file") in text, text
+    assert sorted(p.name for p in ckpt_dir.glob("epoch_*.pt")) == checkpoints  # nothing trained on the lie was kept
+    assert (layout.draft_model_dir / "training_history.json").read_bytes() == history
+
+    resumed = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), TrainConfig(**{**online, "epochs": 3}))
+    assert resumed.resumed_from_epoch == 0 and resumed.epochs == 3
+
+
 def test_the_embedded_server_stop_removes_what_aborted_requests_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
