@@ -39,6 +39,14 @@ SAMPLE_PROMPTS_PATH = PACKAGE_DIR / "data" / "sample_prompts.jsonl"
 # How long every server may stay down before a run gives up (generation's EAGLE3_OUTAGE_BUDGET_S and the extraction
 # client's EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S): long enough for a server restart, far short of hours of probing.
 OUTAGE_BUDGET_S = 900.0
+# The API key of every server the project talks to (generation, extraction, evaluation). No config field names it: a
+# launchpad user could otherwise send any variable of the run's process as a bearer token. Read when a run needs it.
+API_KEY_ENV = "EAGLE3_API_KEY"
+
+
+def read_api_key() -> str | None:
+    """The secret in ``EAGLE3_API_KEY`` (never config, never logged or stored)."""
+    return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
 class ConfigError(ValueError):

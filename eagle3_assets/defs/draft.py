@@ -147,6 +147,7 @@ def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> Tra
         online_backend=verifier.hidden_states_backend,
         online_urls=tuple(verifier.hidden_states_urls()),
         online_storage=verifier.hidden_states_storage or None,
+        online_outage_budget_s=verifier.hidden_states_outage_budget_s,
     )
 
 

@@ -8,7 +8,7 @@ from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
-from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource, read_api_key
+from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
@@ -67,7 +67,7 @@ def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResour
             storage_path=verifier.hidden_states_storage or None,
             outage_budget_s=verifier.hidden_states_outage_budget_s,
             # a remote extraction deployment sits behind the same key as the generation servers
-            api_key=read_api_key(),
+            api_key=settings.read_api_key(),
         ),
     )
 

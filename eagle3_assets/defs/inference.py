@@ -5,7 +5,7 @@ deployment(s), ``LocalVLLMResource`` starts the embedded CPU vLLM on the tiny ve
 Fields are declared settings (``settings.setting``). The API key is never a config field (Dagster
 would show and store config), and neither is the name of the variable it comes from (a launchpad user could
 otherwise send any environment variable of the run's process as a bearer token): it is read from
-``EAGLE3_API_KEY`` (``defs.resources.API_KEY_ENV``) when a run starts, by generation and by ``draft_evaluation`` alike.
+``EAGLE3_API_KEY`` (``settings.API_KEY_ENV``) when a run starts, by generation and by ``draft_evaluation`` alike.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle3_assets import settings
-from eagle3_assets.defs.resources import SettingsResource, VerifierResource, read_api_key
+from eagle3_assets.defs.resources import SettingsResource, VerifierResource
 from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.settings import setting
 
@@ -124,7 +124,7 @@ class InferenceServerResource(SettingsResource):
         """The OpenAI-compatible base URL(s) to send requests to during this run."""
 
     def api_key(self) -> str | None:
-        return read_api_key()
+        return settings.read_api_key()
 
     def extra_body(self) -> dict[str, Any]:
         return settings.check_json_object("EAGLE3_EXTRA_BODY", self.extra_body_json)

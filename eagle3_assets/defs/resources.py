@@ -9,7 +9,6 @@ resource fails when it starts, with the message naming the variable (``SettingsR
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator
 from eagle3_assets import prompts, settings
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, parse_prompt_sets
 from eagle3_assets.local.reasoning import check_reasoning_parser
-from eagle3_assets.settings import ConfigError, setting
+from eagle3_assets.settings import API_KEY_ENV, ConfigError, read_api_key, setting
 from eagle3_assets.storage import DataLayout
 
 
@@ -258,19 +257,12 @@ class VerifierResource(SettingsResource):
         return path
 
 
-# The API key: generation (inference_server) and draft_evaluation (evaluation_servers) read the same variable, and
-# no config field names it: a launchpad user could otherwise send any variable of the run's process as a bearer
-# token. It is no field, so the configuration table gets its row from here.
-API_KEY_ENV = "EAGLE3_API_KEY"
+# The API key (settings.API_KEY_ENV) is no field, so the configuration table gets its row from here.
 API_KEY_TABLE_ROW = (
     f"| `{API_KEY_ENV}` | (empty) | secret, read when a run starts; never logged or stored | "
-    "API key for the server(s) (generation and evaluation); never logged or stored. | `defs.resources.API_KEY_ENV` |"
+    "API key for the server(s) (generation, extraction, online training and evaluation); never logged or stored. | "
+    "`settings.API_KEY_ENV` |"
 )
-
-
-def read_api_key() -> str | None:
-    """The secret in ``EAGLE3_API_KEY``, read when a run needs it (never config)."""
-    return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
 class EvaluationServersResource(SettingsResource):

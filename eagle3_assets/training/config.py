@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.settings import OUTAGE_BUDGET_S, ConfigError
 
 INITS = ("token_copy", "speculators")
 LOSS_ON = ("assistant", "all")
@@ -57,6 +57,9 @@ class TrainConfig:
     online_backend: str = "hf"  # "hf" (the verifier in the loader's worker) or "vllm" (extraction servers)
     online_urls: tuple[str, ...] = ()  # vllm: the extraction servers; empty: an embedded CPU vLLM for the run
     online_storage: str | None = None  # vllm with URLs: this machine's mount of the servers' connector folder
+    # vllm: every extraction server down this long stops the run (extraction's EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S);
+    # the servers' API key is EAGLE3_API_KEY, read by each process that fetches (never part of the config)
+    online_outage_budget_s: float = OUTAGE_BUDGET_S
     online_workers: int = 1  # loader processes fetching batches (0: in the training process, no overlap)
     prefetch_batches: int = 2  # ready batches each worker may hold: the bound on states in memory and on disk
 
@@ -102,6 +105,7 @@ class TrainConfig:
         # where the states come from: the same states (a stored or an online run resumes the other's checkpoint)
         ignored = {"epochs", "keep_checkpoints", "device", "num_threads", "max_val_batches", "procs"}
         ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
+        ignored |= {"online_outage_budget_s"}
         ignored |= {"prefetch_batches", "progress_interval_s"}
         fields = {k: v for k, v in asdict(self).items() if k not in ignored}
         if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid

@@ -235,10 +235,13 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
 def online_extraction(config: TrainConfig, verifier_path: Path, meta: dict[str, Any]) -> OnlineExtraction:
     """Where an online run's loader workers fetch states: the partitions' layer ids on the configured backend."""
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+    from eagle3_assets.settings import read_api_key
 
+    # the key travels to the spawned loader workers in memory (pickled), never in the saved config
     vllm = VLLMBackendOptions(
-        urls=tuple(config.online_urls), storage_path=config.online_storage, max_model_len=int(meta["max_seq_len"]) + 1
-    )
+        urls=tuple(config.online_urls), storage_path=config.online_storage, max_model_len=int(meta["max_seq_len"]) + 1,
+        api_key=read_api_key(), outage_budget_s=config.online_outage_budget_s,
+    )  # fmt: skip
     return OnlineExtraction(
         source=config.hidden_states_source, backend=config.online_backend, verifier_path=str(verifier_path),
         layer_ids=tuple(meta["layer_ids"]), device=config.device, precision=config.precision, vllm=vllm,

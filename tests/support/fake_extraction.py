@@ -45,6 +45,7 @@ class ExtractionFake:
     status: int = 500
     target: str = ""
     basic_auth: str | None = None  # "user:password": /v1/* requires that Authorization: Basic header
+    api_key: str | None = None  # /v1/* requires "Authorization: Bearer <api_key>" (vLLM's --api-key)
     requests: int = 0
 
     def _refused(self, request: Any) -> Any:
@@ -54,6 +55,8 @@ class ExtractionFake:
 
         wanted = "Basic " + base64.b64encode((self.basic_auth or "").encode()).decode()
         if self.basic_auth and request.headers.get("Authorization") != wanted:
+            return web.json_response({"error": {"message": "Unauthorized", "code": 401}}, status=401)
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": {"message": "Unauthorized", "code": 401}}, status=401)
         return None
 

@@ -224,6 +224,33 @@ def test_a_lying_extraction_server_fails_the_run_and_a_rerun_resumes_from_the_la
     assert resumed.resumed_from_epoch == 0 and resumed.epochs == 3
 
 
+def test_online_training_sends_the_extraction_servers_key_and_outage_budget(
+    stored: DataLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Extraction servers behind EAGLE3_API_KEY answer online training as they answer extraction: the loader's
+    client sends the key (read from the environment, never saved with the config) and the outage budget."""
+    from support.fake_extraction import ExtractionFake, serve_extraction
+
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    storage = tmp_path / "transfer"
+    storage.mkdir()
+    monkeypatch.setenv("EAGLE3_API_KEY", "s3cret")
+    fake = ExtractionFake(storage, api_key="s3cret")
+    with serve_extraction(fake) as url:
+        config = TrainConfig(
+            **{**BASE.__dict__, "epochs": 1, "hidden_states_source": "online", "online_backend": "vllm",
+               "online_urls": (url,), "online_storage": str(storage), "online_workers": 1,
+               "online_outage_budget_s": 7.0},
+        )  # fmt: skip
+        result = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
+    assert result.epochs == 1 and fake.requests >= 24  # every training and validation sample fetched
+    assert "s3cret" not in (layout.draft_model_dir / "training_history.json").read_text()
+    from eagle3_assets.training.online import online_extraction
+
+    options = online_extraction(config, cached_tiny_verifier(), {"max_seq_len": 64, "layer_ids": LAYERS}).vllm
+    assert (options.api_key, options.outage_budget_s) == ("s3cret", 7.0)
+
+
 def test_the_embedded_server_stop_removes_what_aborted_requests_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
