@@ -6,8 +6,8 @@ kill-and-resume or a switch between the ``hf`` and ``vllm`` backends must give t
 CPU is an explicit speed choice: on CPUs whose instruction set has bf16 dot products (AVX512-BF16 or AMX-BF16: Intel
 Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later; ``cpu_has_native_bf16``) SmolLM2-135M's forward pass
 ran ~2.6x faster (measured on 2 cores); elsewhere a bf16 matmul is emulated and slower than float32. The hidden
-states are stored in ``EAGLE3_HIDDEN_STATES_DTYPE`` (bf16 by default) whatever the compute precision; bf16 compute
-changes the last bits of every layer's output, as serving in bf16 does.
+states are stored in the ``hidden_states`` run config's ``dtype`` (bf16 by default) whatever the compute
+precision; bf16 compute changes the last bits of every layer's output, as serving in bf16 does.
 """
 
 from __future__ import annotations

@@ -204,10 +204,10 @@ def _exit_code(text: str) -> int | None:
     group_name="draft",
     kinds={"pytorch", "safetensors"},
     description=(
-        "The EAGLE-3 draft, trained with speculators' own model classes on the stored hidden states with "
-        "training-time-test steps; checkpointed every epoch and resumed after a crash; saved in speculators' "
-        "format (final/), which vLLM loads as an eagle3 speculator. EAGLE3_TRAIN_PROCS > 1 trains in that many "
-        "torchrun processes (DDP) under Dagster Pipes."
+        "The EAGLE-3 draft, trained with speculators' own model classes on the verifier's hidden states (stored, "
+        "or computed while it trains: hidden_states_source) with training-time-test steps; checkpointed every "
+        "epoch and resumed after a crash; saved in speculators' format (final/), which vLLM loads as an eagle3 "
+        "speculator. EAGLE3_TRAIN_PROCS > 1 trains in that many torchrun processes (DDP) under Dagster Pipes."
     ),
 )
 def draft_model(

@@ -29,7 +29,8 @@ class DraftEvaluationRunConfig(SettingsConfig):
         EvaluationOptions.online, description="Serve the verifier with the drafts in vLLM; false: offline only."
     )
     offline: bool = setting(
-        EvaluationOptions.offline, description="Simulate acceptance offline from the stored hidden states."
+        EvaluationOptions.offline,
+        description="Simulate acceptance offline from the held-out partition's hidden states.",
     )
     prompts: int = setting(
         OnlineConfig.prompts, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0
@@ -78,6 +79,14 @@ def evaluation_options(
         api_key=servers.api_key(),
         log_dir=layout.evaluation_dir / "_logs",
     )
+    from eagle3_assets.training.online import extraction_side
+
+    # a held-out partition built for online training stores no states: the offline evaluation computes them as
+    # online training does (the verifier path is the evaluation's, filled in when it runs)
+    extraction = extraction_side(
+        verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
+        verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
+    )  # fmt: skip
     return settings.core_config(
         EvaluationOptions,
         config,
@@ -85,6 +94,7 @@ def evaluation_options(
         partition=config.partition or None,
         device=verifier.device,
         online_config=online_config,
+        extraction=extraction,
     )
 
 
@@ -132,7 +142,8 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
         "speculative tokens) at temperature 0 on each named prompt set (EAGLE3_EVAL_PROMPT_SETS: held-out prompts, "
         "HumanEval's 164 problems), counted from the per-request speculative metrics of its own requests, with "
         "batch-1 tokens/s with and without the draft and a greedy-identity check; the same figures simulated offline "
-        "from the held-out partition's stored hidden states; and both for an untrained draft of the same shape."
+        "from the held-out partition's hidden states (computed by EAGLE3_HIDDEN_STATES_BACKEND where the partition "
+        "was built for online training and stores none); and both for an untrained draft of the same shape."
     ),
 )
 def draft_evaluation(

@@ -5,14 +5,19 @@ Shared by the ``draft_evaluation`` asset and ``eagle3 evaluate``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.evaluation.online import OnlineConfig
 from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
 from eagle3_assets.storage import DataLayout
+
+if TYPE_CHECKING:
+    from eagle3_assets.training.online import OnlineExtraction
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,9 @@ class EvaluationOptions:
     tolerance: float = DEFAULT_TOLERANCE
     device: str = "auto"  # where the offline simulation runs the drafts (EAGLE3_DEVICE, as training)
     online_config: OnlineConfig = field(default_factory=OnlineConfig)
+    # where the states of held-out samples the partition does not store are computed (a partition built for online
+    # training: training.online.extraction_side); None: the offline evaluation reads stored states only
+    extraction: OnlineExtraction | None = None
 
 
 def held_out_partition(layout: DataLayout, requested: str | None) -> str | None:
@@ -135,6 +143,33 @@ def _ordered(stats: list[AcceptanceStats], sets: list[str], notes: list[str]) ->
     return stats
 
 
+@contextlib.contextmanager
+def _missing_states(
+    layout: DataLayout, partition: str, verifier: Path, extraction: OnlineExtraction | None, notes: list[str]
+) -> Iterator[Any]:
+    """What computes the held-out samples' states the partition does not store (None: none missing, or no
+    extraction side given: the stored ones are evaluated, and the notes say how many that is)."""
+    import polars as pl
+
+    index = pl.read_parquet(layout.hidden_states_index_path(partition), columns=["file"])
+    missing = index["file"].null_count()
+    if missing == 0:
+        yield None
+        return
+    if extraction is None:
+        notes.append(f"offline: {index.height - missing} of {index.height} held-out samples store states; only those")
+        yield None
+        return
+    from eagle3_assets.hidden_states.checks import read_meta
+    from eagle3_assets.training.online import ONLINE_TRANSFER_DIR, fetching, for_partition
+
+    notes.append(f"offline: {missing} of {index.height} held-out samples' states computed by the "
+                 f"{extraction.backend} backend (the partition was built for online training)")  # fmt: skip
+    aimed = for_partition(replace(extraction, verifier_path=str(verifier)), read_meta(layout, partition))
+    with fetching(aimed, layout.evaluation_dir / ONLINE_TRANSFER_DIR) as fetch:
+        yield fetch
+
+
 def run_evaluation(
     layout: DataLayout,
     draft_dir: Path,
@@ -174,7 +209,8 @@ def run_evaluation(
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
             args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
-            stats += evaluate_offline(models, *args, device=options.device)
+            with _missing_states(layout, partition, verifier_path, options.extraction, notes) as fetch:
+                stats += evaluate_offline(models, *args, device=options.device, fetch=fetch)
     online_runs: list[OnlineRun] = []
     if options.online:
         online_stats, online_runs = _online(

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+# token id lists -> their states [T, n_aux+1, H]: the extraction side, for samples a partition does not store
+StatesFetch = Callable[[list[list[int]]], list[Any]]
 
 UNTRAINED_SEED = 0
 
@@ -157,31 +159,52 @@ class VerifierHead:
         return (x @ self.lm_head.T).argmax(-1).cpu()
 
 
-def iter_samples(layout: DataLayout, partition_key: str, max_samples: int | None = None) -> Any:
-    """(sample_id, input_ids [T], loss_mask [T], hidden_states [T, n_aux+1, H]) of a stored partition."""
-    import polars as pl
-    import torch
-    from datasets import load_from_disk
+FETCH_CHUNK = 16  # samples whose states one extraction call computes (a batched forward, concurrent requests)
 
-    from eagle3_assets.hidden_states.storage_format import load_states
+
+def iter_samples(
+    layout: DataLayout, partition_key: str, max_samples: int | None = None, fetch: StatesFetch | None = None
+) -> Any:
+    """(sample_id, input_ids [T], loss_mask [T], hidden_states [T, n_aux+1, H]) of a partition, in row order.
+
+    A partition built for online training stores some states (a disk budget) or none. ``fetch`` (token id lists ->
+    states: :func:`eagle3_assets.training.online.fetching`) computes the missing ones; without it only the stored
+    samples are yielded, and a partition that stores none is an error naming the remedy.
+    """
+    import polars as pl
+    from datasets import load_from_disk
 
     data_dir = layout.hidden_states_dir(partition_key)
     index_path = layout.hidden_states_index_path(partition_key)
     if not index_path.exists():
         raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
     index = pl.read_parquet(index_path).sort("row")
-    index = index.filter(index["file"].is_not_null())  # a partition built for online training stores some or none
-    if index.height == 0:
-        raise ValueError(
-            f"hidden_states partition {partition_key} stores no states (built with store_budget_bytes=0 for online "
-            "training): offline evaluation reads stored states; re-materialize it without a store budget"
-        )
+    if fetch is None:
+        index = index.filter(index["file"].is_not_null())
+        if index.height == 0:
+            raise ValueError(
+                f"hidden_states partition {partition_key} stores no states (built with store_budget_bytes=0 for "
+                "online training): give the offline evaluation the extraction backend (the draft_evaluation asset "
+                "uses EAGLE3_HIDDEN_STATES_BACKEND) or re-materialize the partition without a store budget"
+            )
+    if max_samples is not None:
+        index = index.head(max_samples)
     dataset = load_from_disk(str(data_dir))
-    for n, rec in enumerate(index.iter_rows(named=True)):
-        if max_samples is not None and n >= max_samples:
-            break
-        row = dataset[int(rec["row"])]
-        states = load_states(data_dir / rec["file"])  # dequantized when stored as FP8
+    records = list(index.iter_rows(named=True))
+    for start in range(0, len(records), FETCH_CHUNK):
+        yield from _chunk_samples(data_dir, dataset, records[start : start + FETCH_CHUNK], fetch)
+
+
+def _chunk_samples(data_dir: Path, dataset: Any, records: list[dict[str, Any]], fetch: StatesFetch | None) -> Any:
+    import torch
+
+    from eagle3_assets.hidden_states.storage_format import load_states
+
+    rows = [dataset[int(rec["row"])] for rec in records]
+    missing = [i for i, rec in enumerate(records) if rec["file"] is None]
+    fetched = dict(zip(missing, fetch([rows[i]["input_ids"] for i in missing]), strict=True)) if missing else {}
+    for i, (rec, row) in enumerate(zip(records, rows, strict=True)):
+        states = fetched[i] if i in fetched else load_states(data_dir / rec["file"])  # FP8: dequantized
         input_ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
         loss_mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)
         yield str(rec["sample_id"]), input_ids, loss_mask, states
@@ -285,11 +308,13 @@ def evaluate_offline(
     log: Callable[[str], None] | None = None,
     num_threads: int | None = None,
     device: str = "auto",
+    fetch: StatesFetch | None = None,
 ) -> list[AcceptanceStats]:
     """Offline acceptance of each draft in ``models`` (label -> loaded draft) on one hidden_states partition.
 
     The drafts run on ``device`` (``EAGLE3_DEVICE``, resolved as training resolves it: ``auto`` is the GPU when there
-    is one). On a CUDA machine speculators compiles the draft's forward when it is imported
+    is one). The states are the partition's files; ``fetch`` computes those it does not store (a partition built for
+    online training). On a CUDA machine speculators compiles the draft's forward when it is imported
     (``conditional_torch_compile``); on the CPU path that compiled forward runs eagerly (``force_eager``), never
     through the CPU inductor's C++ build.
     """
@@ -305,7 +330,8 @@ def evaluate_offline(
     first = next(iter(models.values()))
     head = VerifierHead(verifier if verifier is not None else draft_verifier_path(first), where)
     with _eager_on_cpu(where):
-        return _evaluate_offline(models, head, layout, partition_key, k, max_samples, say, num_threads, where)
+        samples = iter_samples(layout, partition_key, max_samples, fetch)
+        return _evaluate_offline(models, head, partition_key, samples, k, say, num_threads, where)
 
 
 def _eager_on_cpu(device: Any) -> Any:
@@ -320,10 +346,9 @@ def _eager_on_cpu(device: Any) -> Any:
 def _evaluate_offline(
     models: dict[str, Any],
     head: VerifierHead,
-    layout: DataLayout,
     partition_key: str,
+    samples_iter: Any,
     k: int,
-    max_samples: int | None,
     say: Callable[[str], None],
     num_threads: int | None,
     device: Any,
@@ -340,7 +365,7 @@ def _evaluate_offline(
     started = time.perf_counter()
     # one core left free: on a busy 2-core machine two OpenMP threads spin against vLLM and run many times slower
     with torch_threads(num_threads):
-        for _sample_id, input_ids, loss_mask, hidden in iter_samples(layout, partition_key, max_samples):
+        for _sample_id, input_ids, loss_mask, hidden in samples_iter:
             if int(input_ids.shape[0]) < k + 3:
                 continue
             samples += 1

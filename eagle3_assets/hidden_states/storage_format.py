@@ -1,4 +1,4 @@
-"""How a sample's hidden states are stored (``EAGLE3_HIDDEN_STATES_DTYPE``): bfloat16, float32 or FP8.
+"""How a sample's hidden states are stored (the ``hidden_states`` run config's ``dtype``): bfloat16, float32 or FP8.
 
 FP8 is ``float8_e4m3fn`` with one float32 scale per (token, layer) row, in the file layout of speculators'
 ``hs_connectors`` FP8 connector: ``hidden_states`` F8_E4M3 ``[T, n_aux + 1, H]`` beside ``hidden_states_scales`` F32

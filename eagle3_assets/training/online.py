@@ -112,13 +112,7 @@ class OnlineDataset:
 
     def backend(self) -> Any:
         if self._backend is None:
-            from eagle3_assets.hidden_states.backends import make_backend
-
-            x = self.extraction
-            self._backend = make_backend(
-                x.backend, x.verifier_path, list(x.layer_ids), "float32", x.device, x.batch_tokens,
-                vllm_options=x.vllm, precision=x.precision,
-            )  # fmt: skip
+            self._backend = open_backend(self.extraction)
         return self._backend
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -232,20 +226,65 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
         sweep_stale_files(storage, older_than_s=0.0)
 
 
-def online_extraction(config: TrainConfig, verifier_path: Path, meta: dict[str, Any]) -> OnlineExtraction:
-    """Where an online run's loader workers fetch states: the partitions' layer ids on the configured backend."""
-    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-    from eagle3_assets.settings import read_api_key
+def open_backend(extraction: OnlineExtraction) -> Any:
+    """The extraction backend that computes states for token ids (float32, the partitions' layers)."""
+    from eagle3_assets.hidden_states.backends import make_backend
 
-    # the key travels to the spawned loader workers in memory (pickled), never in the saved config
+    x = extraction
+    return make_backend(
+        x.backend, x.verifier_path, list(x.layer_ids), "float32", x.device, x.batch_tokens, vllm_options=x.vllm,
+        precision=x.precision,
+    )  # fmt: skip
+
+
+def for_partition(extraction: OnlineExtraction, meta: dict[str, Any]) -> OnlineExtraction:
+    """``extraction`` aimed at a hidden_states partition: its layer ids, and (embedded vLLM) room for its longest
+    sample plus the one generated token."""
+    vllm = extraction.vllm
+    if vllm is not None:
+        vllm = replace(vllm, max_model_len=int(meta["max_seq_len"]) + 1)
+    return replace(extraction, layer_ids=tuple(meta["layer_ids"]), vllm=vllm)
+
+
+@contextmanager
+def fetching(extraction: OnlineExtraction, storage: Path) -> Iterator[Any]:
+    """For one caller outside training (the offline evaluation of an online partition): the extraction side served
+    (:func:`serving`) and its backend's ``extract`` (token id lists -> [T, layers, H] states), closed at the end."""
+    with serving(extraction, storage) as served:
+        backend = open_backend(served)
+        try:
+            yield backend.extract
+        finally:
+            backend.close()
+
+
+def extraction_side(
+    backend: str, verifier_path: str | Path, urls: Sequence[str] = (), storage: str | None = None,
+    outage_budget_s: float | None = None, device: str = "auto", precision: str = "auto", source: str = "online",
+) -> OnlineExtraction:  # fmt: skip
+    """The extraction side's settings (``EAGLE3_HIDDEN_STATES_*``), the layers left to :func:`for_partition`. The
+    servers' API key is read here from ``EAGLE3_API_KEY``: it travels to spawned workers in memory (pickled), never
+    in a saved config."""
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+    from eagle3_assets.settings import OUTAGE_BUDGET_S, read_api_key
+
     vllm = VLLMBackendOptions(
-        urls=tuple(config.online_urls), storage_path=config.online_storage, max_model_len=int(meta["max_seq_len"]) + 1,
-        api_key=read_api_key(), outage_budget_s=config.online_outage_budget_s,
+        urls=tuple(urls), storage_path=storage, api_key=read_api_key(),
+        outage_budget_s=OUTAGE_BUDGET_S if outage_budget_s is None else outage_budget_s,
     )  # fmt: skip
     return OnlineExtraction(
-        source=config.hidden_states_source, backend=config.online_backend, verifier_path=str(verifier_path),
-        layer_ids=tuple(meta["layer_ids"]), device=config.device, precision=config.precision, vllm=vllm,
+        source=source, backend=backend, verifier_path=str(verifier_path), layer_ids=(), device=device,
+        precision=precision, vllm=vllm,
     )  # fmt: skip
+
+
+def online_extraction(config: TrainConfig, verifier_path: Path, meta: dict[str, Any]) -> OnlineExtraction:
+    """Where an online run's loader workers fetch states: the partitions' layer ids on the configured backend."""
+    side = extraction_side(
+        config.online_backend, verifier_path, config.online_urls, config.online_storage, config.online_outage_budget_s,
+        config.device, config.precision, source=config.hidden_states_source,
+    )  # fmt: skip
+    return for_partition(side, meta)
 
 
 def online_loader(

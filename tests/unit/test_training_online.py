@@ -5,6 +5,7 @@ the batches equal the stored ones within bf16 storage rounding; the run reports 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,48 @@ def test_online_training_sends_the_extraction_servers_key_and_outage_budget(
 
     options = online_extraction(config, cached_tiny_verifier(), {"max_seq_len": 64, "layer_ids": LAYERS}).vllm
     assert (options.api_key, options.outage_budget_s) == ("s3cret", 7.0)
+
+
+def test_the_offline_evaluation_computes_the_states_an_online_held_out_partition_does_not_store(
+    tmp_path: Path,
+) -> None:
+    """draft_evaluation after online training: the held-out partition stores no states, so the offline simulation
+    gets them from the extraction side: the same samples, their states those the stored partition held."""
+    import torch
+
+    from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+    from eagle3_assets.evaluation.offline import iter_samples
+    from eagle3_assets.hidden_states.checks import read_meta
+    from eagle3_assets.training.online import extraction_side, fetching, for_partition
+
+    layout = DataLayout.at(tmp_path / "data")
+    verifier = cached_tiny_verifier()
+    for key in KEYS:
+        fabricate_responses(layout, key, 24, min_words=20, max_words=40)
+        extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=LAYERS, precision="float32"))
+    build_vocab_mapping(layout, KEYS[:1], draft_vocab_size=256, target_vocab_size=1024)
+    train_draft(layout, KEYS[:1], KEYS[1], verifier, BASE)
+    draft = layout.draft_model_dir / "final"
+    options = EvaluationOptions(online=False, untrained=False, partition=KEYS[1], device="cpu")
+    stored = run_evaluation(layout, draft, verifier, options, write=False).stats[0]
+    stored_states = {sid: states for sid, _ids, _mask, states in iter_samples(layout, KEYS[1])}
+
+    online_config = HiddenStatesConfig(layer_ids=LAYERS, precision="float32", store_budget_bytes=0)
+    assert extract_partition(layout, KEYS[1], verifier, online_config).samples_with_states == 0
+    with pytest.raises(ValueError, match="stores no states"):
+        run_evaluation(layout, draft, verifier, options, write=False)
+    side = extraction_side("hf", "", device="cpu", precision="float32")
+    report = run_evaluation(layout, draft, verifier, replace(options, extraction=side), write=False)
+    assert report.stats[0].extra["samples"] == stored.extra["samples"] > 0
+    assert any("24 of 24 held-out samples' states computed by the hf backend" in n for n in report.notes), report.notes
+    assert _state_files(layout) == 24  # the training partition's; nothing was written for the held-out one
+
+    aimed = for_partition(replace(side, verifier_path=str(verifier)), read_meta(layout, KEYS[1]))
+    with fetching(aimed, tmp_path / "transfer") as fetch:
+        fetched = {sid: states for sid, _ids, _mask, states in iter_samples(layout, KEYS[1], fetch=fetch)}
+    assert fetched.keys() == stored_states.keys()
+    for sid, states in fetched.items():  # stored states went through bf16 storage; fetched ones did not
+        torch.testing.assert_close(states.float(), stored_states[sid].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_the_embedded_server_stop_removes_what_aborted_requests_left(
