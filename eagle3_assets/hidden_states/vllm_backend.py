@@ -86,6 +86,28 @@ class VLLMBackendOptions:
     outage_budget_s: float = OUTAGE_BUDGET_S  # every server down this long: the run stops
     max_model_len: int = 2049  # embedded server only: max_seq_len + the one generated token
     startup_timeout_s: float = 600.0  # embedded server only
+    # an embedded server another process started (online training's loader workers: the trainer started it), watched
+    # by pid so that its death stops the run at once, as the embedded server's own backend does, not after the budget
+    embedded_pid: int | None = None
+    embedded_log: str | None = None
+
+
+def process_gone(pid: int) -> bool:
+    """Whether a process this one did not start (no handle to poll) has exited: no ``/proc`` entry, or a zombie
+    its parent has not reaped yet. Without ``/proc``, ``kill(pid, 0)`` (a zombie then still looks alive)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.parent.parent.is_dir():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def local_file(server_path: str, storage_root: str | Path) -> Path:
@@ -364,6 +386,10 @@ class VLLMBackend:
             log = getattr(self._server, "log_path", None)
             what = f"the embedded extraction server (pid {process.pid}) exited with code {code}"
             raise self._stop(ExtractionStopped(f"{what}; log: {log}"))
+        pid = self.options.embedded_pid
+        if process is None and pid is not None and process_gone(pid):
+            what = f"the run's embedded extraction server (pid {pid}) is gone"
+            raise self._stop(ExtractionStopped(f"{what}; log: {self.options.embedded_log}"))
 
     async def _acquire(self) -> Any:
         while True:

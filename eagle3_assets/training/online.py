@@ -214,7 +214,11 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
         die_with_parent=True,
     )  # fmt: skip
     try:
-        options = replace(extraction.vllm, urls=(server.base_url,), storage_path=str(storage))
+        process, log = getattr(server, "process", None), getattr(server, "log_path", None)
+        options = replace(
+            extraction.vllm, urls=(server.base_url,), storage_path=str(storage),
+            embedded_pid=process.pid if process is not None else None, embedded_log=str(log) if log else None,
+        )  # fmt: skip
         yield replace(extraction, vllm=options)
     finally:
         server.stop()

@@ -294,6 +294,49 @@ def test_the_offline_evaluation_computes_the_states_an_online_held_out_partition
         torch.testing.assert_close(states.float(), stored_states[sid].float(), rtol=1e-2, atol=1e-2)
 
 
+def test_the_embedded_extraction_server_dying_mid_run_stops_it_within_seconds(
+    stored: DataLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's embedded extraction server (here the fake, a real subprocess) is killed after the first epoch: the
+    loader worker, which only knows its URL, sees it gone and the run stops naming it, instead of retrying for the
+    outage budget; the checkpoint of the finished epoch stays for the next run."""
+    import signal
+    import threading
+    import time
+
+    from eagle3_assets.local import extraction as local_extraction
+    from support.fake_extraction import ExtractionServerProcess
+
+    servers: list[ExtractionServerProcess] = []
+
+    def start(verifier: Path, layer_ids: list[int], path: Path, **kwargs: object) -> ExtractionServerProcess:
+        path.mkdir(parents=True, exist_ok=True)
+        servers.append(ExtractionServerProcess(path, tmp_path / "fake-server.log"))
+        return servers[-1]
+
+    monkeypatch.setattr(local_extraction, "start_extraction_server", start)
+    layout = _copy(stored, tmp_path / "data", keep_files=0)
+    ckpt_dir = layout.draft_model_dir / "checkpoints"
+    killed: list[float] = []
+
+    def kill_after_first_epoch() -> None:
+        while not (ckpt_dir / "epoch_0000.pt").exists():
+            time.sleep(0.02)
+        servers[0].process.send_signal(signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    threading.Thread(target=kill_after_first_epoch, daemon=True).start()
+    config = TrainConfig(
+        **{**BASE.__dict__, "epochs": 8, "hidden_states_source": "online", "online_backend": "vllm",
+           "online_workers": 1},
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"embedded extraction server \(pid \d+\) is gone") as caught:
+        train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
+    assert killed and time.monotonic() - killed[0] < 60, "the run waited for the outage budget (900 s)"
+    assert "fake-server.log" in str(caught.value)
+    assert (ckpt_dir / "epoch_0000.pt").exists() and not (ckpt_dir / "epoch_0007.pt").exists()
+
+
 def test_the_embedded_server_stop_removes_what_aborted_requests_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
