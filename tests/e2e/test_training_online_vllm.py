@@ -27,12 +27,12 @@ def test_online_training_against_the_embedded_extraction_server_stores_nothing(
     from support.hidden_states_data import fabricate_responses
 
     layout = DataLayout.at(tmp_path / "data")
-    for key in KEYS:
+    for key in KEYS:  # partitions built for online training: token ids, masks, frequencies and lineage, no states
         fabricate_responses(layout, key, 24, min_words=20, max_words=40)
-        extract_partition(layout, key, vllm_tiny_verifier, HiddenStatesConfig(layer_ids=LAYERS))
+        online = HiddenStatesConfig(layer_ids=LAYERS, store_budget_bytes=0)
+        assert extract_partition(layout, key, vllm_tiny_verifier, online).samples_with_states == 0
     build_vocab_mapping(layout, KEYS[:1], draft_vocab_size=256, target_vocab_size=1024)
-    for path in layout.root.rglob("hs_*.safetensors"):
-        path.unlink()  # what an online partition holds: token ids, masks and lineage, no states
+    assert not any(layout.root.rglob("hs_*.safetensors"))
 
     transfer = layout.draft_model_dir / ONLINE_TRANSFER_DIR
     peak, stop = [0], threading.Event()
