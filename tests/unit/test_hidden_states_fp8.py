@@ -122,3 +122,33 @@ def test_training_and_offline_evaluation_read_fp8_partitions(partitions: dict[st
     assert result.steps > 0 and all(v == v for v in result.val_loss)  # trained, no NaN
     _sample, input_ids, _mask, states = next(iter_samples(layout, KEY, max_samples=1))
     assert states.shape == (len(input_ids), len(LAYERS) + 1, states.shape[-1]) and states.dtype.is_floating_point
+
+
+def test_the_vllm_backend_writes_fp8_partitions_from_what_the_connector_wrote(tmp_path: Path) -> None:
+    """FP8 through the ``vllm`` backend: the client converts the connector's float32 file (here a real HTTP server
+    writing the states every vLLM connector file holds: value = token id) into the FP8 layout with its row scales,
+    the partition passes the finite check, and it reads back as those states within FP8 rounding."""
+    import torch
+    from safetensors import safe_open
+
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+    from support.fake_extraction import ExtractionFake, serve_extraction
+
+    layout = DataLayout.at(tmp_path / "data")
+    fabricate_responses(layout, KEY, 4, min_words=10, max_words=20)
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    with serve_extraction(ExtractionFake(storage)) as url:
+        options = VLLMBackendOptions(urls=(url,), model="m", storage_path=str(storage), concurrency=2)
+        config = HiddenStatesConfig(layer_ids=LAYERS, dtype=FP8, backend="vllm", vllm=options)
+        result = extract_partition(layout, KEY, cached_tiny_verifier(), config, log=lambda _m: None)
+    assert result.samples == 4 and result.dtype == FP8 and check_finite(layout, KEY).passed
+    assert list(storage.iterdir()) == []  # every connector file read and deleted
+    for path in sorted((layout.hidden_states_dir(KEY) / "hidden_states").glob("hs_*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            ids = f.get_tensor("token_ids")
+            assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+            assert f.get_tensor(SCALES_KEY).shape == (len(ids), len(LAYERS) + 1, 1)  # one scale per token and layer
+        states = load_states(path)
+        expected = ids.float()[:, None, None].expand(len(ids), len(LAYERS) + 1, 64)
+        torch.testing.assert_close(states.float(), expected, rtol=1 / 16, atol=1e-3)
