@@ -65,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import json
 
     from eagle3_assets import settings
+    from eagle3_assets.defs.evaluation import missing_states_extraction
     from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.defs.resources import EvaluationServersResource
+    from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     settings.check_environ(EvaluationServersResource)  # a bad EAGLE3_EVAL_* value: the error naming it
+    settings.check_environ(VerifierResource)
     servers = EvaluationServersResource.from_env()
     try:
         prompt_sets = parse_prompt_sets("--prompt-sets", args.prompt_sets or servers.prompt_sets)
@@ -111,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),
+        extraction=missing_states_extraction(VerifierResource.from_env()),
     )
     try:
         report = run_evaluation(

@@ -19,6 +19,7 @@ from eagle3_assets.settings import setting
 if TYPE_CHECKING:
     from eagle3_assets.evaluation.report import EvaluationReport
     from eagle3_assets.storage import DataLayout
+    from eagle3_assets.training.online import OnlineExtraction
 
 
 class DraftEvaluationRunConfig(SettingsConfig):
@@ -79,14 +80,6 @@ def evaluation_options(
         api_key=servers.api_key(),
         log_dir=layout.evaluation_dir / "_logs",
     )
-    from eagle3_assets.training.online import extraction_side
-
-    # a held-out partition built for online training stores no states: the offline evaluation computes them as
-    # online training does (the verifier path is the evaluation's, filled in when it runs)
-    extraction = extraction_side(
-        verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
-        verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
-    )  # fmt: skip
     return settings.core_config(
         EvaluationOptions,
         config,
@@ -94,8 +87,19 @@ def evaluation_options(
         partition=config.partition or None,
         device=verifier.device,
         online_config=online_config,
-        extraction=extraction,
+        extraction=missing_states_extraction(verifier),
     )
+
+
+def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
+    """Where the offline evaluation computes the states a held-out partition built for online training does not
+    store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
+    from eagle3_assets.training.online import extraction_side
+
+    return extraction_side(
+        verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
+        verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
+    )  # fmt: skip
 
 
 def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
