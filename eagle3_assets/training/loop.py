@@ -36,10 +36,10 @@ from eagle3_assets.training.data import make_loader, to_device
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
 from eagle3_assets.training.online import (
     ONLINE_TIME_KEY,
-    ONLINE_TRANSFER_DIR,
     OnlineExtraction,
     online_extraction,
     serving,
+    transfer_dir,
 )
 from eagle3_assets.training.pinning import partition_meta, pinned_partitions
 from eagle3_assets.training.ranks import Ranks
@@ -389,7 +389,7 @@ def train_draft(
         meta = partition_meta(layout, [*train_keys, val_key], dirs)
         # online: the extraction side (an embedded server when asked for) lives as long as the run
         online = stack.enter_context(
-            serving(online_extraction(config, verifier_path, meta), out_dir / ONLINE_TRANSFER_DIR)
+            serving(online_extraction(config, verifier_path, meta), transfer_dir(out_dir, ranks))
         )
         run = _prepare(layout, train_keys, val_key, verifier_path, meta, config, ranks, say, dirs, online)
         resumed_from = _resume_or_baseline(run, ckpt_dir)

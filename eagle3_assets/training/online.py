@@ -282,6 +282,14 @@ def extraction_side(
     )  # fmt: skip
 
 
+def transfer_dir(out_dir: Path, ranks: Ranks) -> Path:
+    """Where this process's embedded extraction server writes its connector files: each torchrun rank starts its own
+    server and sweeps its folder when it stops, so ranks never share one (a rank ending first would delete the files
+    another rank's server just wrote)."""
+    folder = Path(out_dir) / ONLINE_TRANSFER_DIR
+    return folder if ranks.world == 1 else folder / f"rank-{ranks.rank}"
+
+
 def online_extraction(config: TrainConfig, verifier_path: Path, meta: dict[str, Any]) -> OnlineExtraction:
     """Where an online run's loader workers fetch states: the partitions' layer ids on the configured backend."""
     side = extraction_side(

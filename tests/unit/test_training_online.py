@@ -367,3 +367,35 @@ def test_the_embedded_server_stop_removes_what_aborted_requests_left(
     with serving(extraction, storage) as served:
         assert served.vllm.urls == (AbortingServer.base_url,)
     assert sorted(p.name for p in storage.iterdir()) == ["notes.txt"]
+
+
+def test_each_training_rank_has_its_own_transfer_folder_and_its_stop_spares_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several torchrun ranks, each with its own embedded extraction server: a rank that stops first sweeps only its
+    own folder, never a connector file another rank's server just wrote for a batch still being read."""
+    from eagle3_assets.local import extraction as local_extraction
+    from eagle3_assets.training.online import online_extraction, serving, transfer_dir
+    from eagle3_assets.training.ranks import Ranks
+
+    class StubServer:
+        base_url = "http://127.0.0.1:1/v1"
+
+        def stop(self) -> None:
+            pass
+
+    def start(verifier: Path, layer_ids: list[int], path: Path, **kwargs: object) -> StubServer:
+        path.mkdir(parents=True, exist_ok=True)
+        return StubServer()
+
+    monkeypatch.setattr(local_extraction, "start_extraction_server", start)
+    folders = [transfer_dir(tmp_path, Ranks(rank, 2)) for rank in (0, 1)]
+    assert folders[0] != folders[1] and transfer_dir(tmp_path, Ranks(0, 1)).name == ".online-transfer"
+    config = TrainConfig(hidden_states_source="online", online_backend="vllm")
+    extraction = online_extraction(config, tmp_path, {"max_seq_len": 64, "layer_ids": LAYERS})
+    folders[1].mkdir(parents=True)
+    in_flight = folders[1] / "eagle3-hs-cmpl-7.safetensors"
+    in_flight.write_bytes(b"rank 1's batch")
+    with serving(extraction, folders[0]):
+        (folders[0] / "eagle3-hs-cmpl-1.safetensors.lock").write_bytes(b"")
+    assert in_flight.exists() and list(folders[0].iterdir()) == []
