@@ -15,7 +15,7 @@ import pytest
 
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
-from support.common import write_jsonl
+from support.common import fake_server_pipeline_env, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,23 +34,12 @@ def test_the_graph_runs_online_with_no_state_file_and_dagster_sees_it(
     from eagle3_assets.definitions import build_definitions
     from eagle3_assets.demo import materialize_asset
     from eagle3_assets.operations import backfill
-    from support.hidden_states_data import cached_tiny_verifier
 
     (tmp_path / "dagster_home").mkdir()
     layout = DataLayout.at(tmp_path / "data")
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": f"k{i}", "prompt": f"online mode {i}"} for i in range(8)])
     with FakeServerProcess(FakeConfig(token_rate=5000, median_tokens=30)) as server:
-        env = {
-            "DAGSTER_HOME": str(tmp_path / "dagster_home"),
-            "EAGLE3_DATA_DIR": str(layout.root),
-            "EAGLE3_PROMPTS_PATH": str(dataset),
-            "EAGLE3_PARTITION_SIZE": "4",
-            "EAGLE3_VLLM_BASE_URL": server.base_url,
-            "EAGLE3_CONCURRENCY": "4",
-            "EAGLE3_VERIFIER_PATH": str(cached_tiny_verifier()),
-            "EAGLE3_LAYER_IDS": "1,2,3",
-            "EAGLE3_RETURN_TOKEN_IDS": "false",  # the fake's token ids are not the tiny verifier's
-        }
+        env = fake_server_pipeline_env(tmp_path / "dagster_home", layout, dataset, server.base_url)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         defs = build_definitions()

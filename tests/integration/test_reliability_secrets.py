@@ -25,7 +25,7 @@ import pytest
 from eagle3_assets.local import vllm_server as vs
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
-from support.common import write_jsonl
+from support.common import fake_server_pipeline_env, write_jsonl
 
 SECRET = "sk-reliability-7f3a9c-do-not-leak"
 WRONG = "sk-wrong-key-5e1b2d-do-not-leak-either"
@@ -57,7 +57,6 @@ def test_api_key_appears_in_no_file_event_or_log(
 ) -> None:
     from eagle3_assets.definitions import build_definitions
     from eagle3_assets.demo import materialize_asset
-    from support.hidden_states_data import cached_tiny_verifier
 
     dagster_home = tmp_path / "dagster_home"
     dagster_home.mkdir()
@@ -67,19 +66,7 @@ def test_api_key_appears_in_no_file_event_or_log(
     with (
         FakeServerProcess(FakeConfig(token_rate=5000, median_tokens=30, api_key=SECRET)) as server,
     ):
-        env = {
-            "DAGSTER_HOME": str(dagster_home),
-            "EAGLE3_API_KEY": SECRET,
-            "EAGLE3_DATA_DIR": str(layout.root),
-            "EAGLE3_PROMPTS_PATH": str(dataset),
-            "EAGLE3_PARTITION_SIZE": "4",
-            "EAGLE3_VLLM_BASE_URL": server.base_url,
-            "EAGLE3_CONCURRENCY": "4",
-            "EAGLE3_VERIFIER_PATH": str(cached_tiny_verifier()),
-            "EAGLE3_LAYER_IDS": "1,2,3",
-            # the fake server's token ids come from a 4,096-word vocabulary, the tiny verifier's has 1,024 tokens
-            "EAGLE3_RETURN_TOKEN_IDS": "false",
-        }
+        env = {**fake_server_pipeline_env(dagster_home, layout, dataset, server.base_url), "EAGLE3_API_KEY": SECRET}
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         defs = build_definitions()  # resources from the environment, as `dagster dev` and the demo load them

@@ -50,6 +50,25 @@ def journal_lines(path: Path) -> int:
         return 0
 
 
+def fake_server_pipeline_env(dagster_home: Path, layout: DataLayout, prompts_path: Path, base_url: str) -> dict:
+    """The EAGLE3_* environment of a whole-graph run the way `eagle3 demo` loads it: partitions of 4 prompts answered by
+    the fake vLLM server at ``base_url``, hidden states and training on the tiny verifier."""
+    from support.hidden_states_data import cached_tiny_verifier
+
+    return {
+        "DAGSTER_HOME": str(dagster_home),
+        "EAGLE3_DATA_DIR": str(layout.root),
+        "EAGLE3_PROMPTS_PATH": str(prompts_path),
+        "EAGLE3_PARTITION_SIZE": "4",
+        "EAGLE3_VLLM_BASE_URL": base_url,
+        "EAGLE3_CONCURRENCY": "4",
+        "EAGLE3_VERIFIER_PATH": str(cached_tiny_verifier()),
+        "EAGLE3_LAYER_IDS": "1,2,3",
+        # the fake server's token ids come from a 4,096-word vocabulary, the tiny verifier's has 1,024 tokens
+        "EAGLE3_RETURN_TOKEN_IDS": "false",
+    }
+
+
 def make_resources(layout: DataLayout, prompts_path: Path, partition_size: int = 1000, **extra: object) -> dict:
     from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
 
