@@ -71,7 +71,9 @@ def read_journal(path: Path, current: Callable[[Mapping[str, Any]], bool] | None
             contents.corrupt_lines += 1
             continue
         if current is not None and not current(record):
-            contents.stale[sample_id] = record
+            # the same rule: a later failed attempt at another request never hides an ok answer to be kept aside
+            if _better(record, contents.stale.get(sample_id)):
+                contents.stale[sample_id] = record
             continue
         if _better(record, contents.records.get(sample_id)):
             contents.records[sample_id] = record

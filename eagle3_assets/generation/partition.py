@@ -25,6 +25,7 @@ from eagle3_assets.generation.journal import Journal, merge_records, read_journa
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.run_parts import (
     GenerationResult,
+    corrupt_dir,
     generation_result,
     keep_superseded,
     previous_rows,
@@ -133,10 +134,12 @@ def generate_partition(
         def current(record: Mapping[str, Any]) -> bool:
             return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
 
-        previous, stale_previous = previous_rows(final_path, wanted, current, log)
-        # answers to a request that was current once, kept aside when settings changed: current again, reused
+        # a finished file that cannot be read fails the run here; one proven corrupt is archived (run_parts.py)
+        previous, stale_previous = previous_rows(final_path, wanted, current, log, corrupt_dir(layout))
+        # answers to a request that was current once, kept aside when settings changed (or by the other
+        # EAGLE3_REGENERATE mode): current again, reused
         archive_path = layout.responses_superseded_path(partition_key)
-        archived, old_archived = previous_rows(archive_path, wanted, current, log)
+        archived, old_archived = previous_rows(archive_path, wanted, current, log, corrupt_dir(layout))
         previous = merge_records(archived, previous)
         contents = read_journal(journal_path, current)
         torn = contents.torn_bytes

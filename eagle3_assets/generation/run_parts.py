@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import itertools
+import os
+import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +25,7 @@ from eagle3_assets.generation.fingerprint import FINGERPRINT_COLUMN
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
+from eagle3_assets.generation.turns import TURN_MARK
 from eagle3_assets.interrupts import run_interruptible
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
@@ -64,23 +70,97 @@ class GenerationResult:
     model_tokens: int = 0
 
 
-def previous_rows(
-    path: Path, wanted: set[str], current: Callable[[Mapping[str, Any]], bool], log: Log
-) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """(current ok rows, stale ok rows) of an existing final Parquet whose sample is still in the partition.
+PARQUET_MAGIC = b"PAR1"
+CORRUPT_DIR = "_corrupt"  # under synthetic_responses/: files proven corrupt, kept by name and time, never overwritten
 
-    A file written before request fingerprints has no such column: its rows are all stale.
+
+def corrupt_dir(layout: DataLayout) -> Path:
+    return layout.asset_dir("synthetic_responses") / CORRUPT_DIR
+
+
+def parquet_corruption(data: bytes) -> str | None:
+    """Why ``data`` cannot be a Parquet file (bad magic, a footer that does not fit), None when its frame is sound."""
+    if len(data) < 12 or data[:4] != PARQUET_MAGIC or data[-4:] != PARQUET_MAGIC:
+        return "bad Parquet magic (the file must start and end with PAR1)"
+    footer = int.from_bytes(data[-8:-4], "little")
+    if footer > len(data) - 12:
+        return f"Parquet footer of {footer:,} bytes does not fit in a {len(data):,}-byte file"
+    return None
+
+
+def archive_corrupt(path: Path, archive_dir: Path, why: str, log: Log) -> Path:
+    """Move a file proven corrupt to ``archive_dir`` under a timestamped name (never over another file)."""
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for attempt in itertools.count():
+        target = archive_dir / f"{path.name}.{stamp}-{os.getpid()}-{attempt}"
+        try:
+            os.link(path, target)  # fails when the name exists: an earlier archive is never replaced
+        except FileExistsError:
+            continue
+        break
+    storage.fsync_dir(archive_dir)
+    path.unlink()
+    storage.fsync_dir(path.parent)
+    log(f"{path} is corrupt ({why}); moved to {target}, its rows are generated again")
+    return target
+
+
+def read_finished_parquet(path: Path, archive_dir: Path, log: Log) -> pl.DataFrame | None:
+    """A finished file the run resumes from; None when there is none, or when it was proven corrupt (then it is
+    archived in ``archive_dir`` first).
+
+    A read error is not corruption: the bytes are read here (an OSError keeps its errno: EIO, EACCES, ESTALE,
+    ENOSPC) and only then parsed from memory, so a parse failure is about the bytes alone. A read error or a
+    MemoryError fails the run naming the file and changes nothing, so a disk, mount or permission problem never
+    costs the rows the file holds.
     """
-    if not path.exists():
-        return {}, {}
     try:
-        frame = pl.read_parquet(path)
-    except Exception as error:
-        log(f"ignoring unreadable {path.name} ({type(error).__name__}: {error}); its samples are generated again")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise type(error)(
+            error.errno,
+            f"cannot read the finished file {path} ({error.strerror}); it is kept as it is and nothing was "
+            "regenerated: fix the disk, mount or permissions and run again",
+            str(path),
+        ) from error
+    except MemoryError as error:
+        raise MemoryError(f"out of memory reading the finished file {path}; it is kept as it is") from error
+    why = parquet_corruption(data)
+    if why is None:
+        try:
+            return pl.read_parquet(io.BytesIO(data))
+        except MemoryError as error:
+            raise MemoryError(f"out of memory parsing the finished file {path}; it is kept as it is") from error
+        except pl.exceptions.PolarsError as error:  # parsed from memory: the bytes themselves are wrong
+            why = f"{type(error).__name__}: {error}"
+    archive_corrupt(path, archive_dir, why, log)
+    return None
+
+
+def of_partition(wanted: set[str]) -> pl.Expr:
+    """Rows of the partition's samples: a sample's own row, or one of its turns (all-turns mode's ids)."""
+    conversation = pl.col("sample_id").str.replace(f"{re.escape(TURN_MARK)}\\d+$", "")
+    return pl.col("sample_id").is_in(list(wanted)) | conversation.is_in(list(wanted))
+
+
+def previous_rows(
+    path: Path, wanted: set[str], current: Callable[[Mapping[str, Any]], bool], log: Log, archive_dir: Path
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(current ok rows, other ok rows) of an existing finished Parquet (the partition's file, its superseded
+    archive) whose sample, or the conversation a turn belongs to, is still in the partition.
+
+    A file written before request fingerprints has no such column: its rows are all not current. A file that
+    cannot be read fails the run (:func:`read_finished_parquet`); one proven corrupt is archived in ``archive_dir``.
+    """
+    frame = read_finished_parquet(path, archive_dir, log)
+    if frame is None:
         return {}, {}
     if FINGERPRINT_COLUMN not in frame.columns:
         frame = frame.with_columns(pl.lit(None, pl.String).alias(FINGERPRINT_COLUMN))
-    frame = frame.filter((pl.col("status") == STATUS_OK) & pl.col("sample_id").is_in(list(wanted)))
+    frame = frame.filter((pl.col("status") == STATUS_OK) & of_partition(wanted))
     kept: dict[str, dict[str, Any]] = {}
     stale: dict[str, dict[str, Any]] = {}
     for row in frame.iter_rows(named=True):
@@ -160,11 +240,12 @@ def space_floor(todo: Sequence[PromptToGenerate]) -> int:
     return prompt_chars + len(todo) * LINE_FLOOR_BYTES
 
 
-def keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Mapping[str, Any]]) -> None:
-    """Keep the ok rows the final file no longer holds (answers to an earlier request) in ``path``, one per sample
-    and request, so going back to those settings reuses them instead of requesting them again. Resume only ever
-    takes a row from there whose fingerprint is current: nothing is mixed."""
-    in_final = set(zip(final["sample_id"].to_list(), final[FINGERPRINT_COLUMN].to_list(), strict=True))
+def keep_superseded(path: Path, finals: pl.DataFrame, *sources: Mapping[str, Mapping[str, Any]]) -> None:
+    """Keep the ok rows the run's files (``finals``: the partition's file, and in all-turns mode its turn store) no
+    longer hold (answers to an earlier request, or rows of the other EAGLE3_REGENERATE mode) in ``path``, one per
+    sample and request, so going back to those settings or that mode reuses them instead of requesting them
+    again. Resume only ever takes a row from there whose fingerprint is current: nothing is mixed."""
+    in_final = set(zip(finals["sample_id"].to_list(), finals[FINGERPRINT_COLUMN].to_list(), strict=True))
     rows: dict[tuple[str, str], Mapping[str, Any]] = {}
     for source in sources:
         for sid, row in source.items():
@@ -177,13 +258,22 @@ def keep_superseded(path: Path, final: pl.DataFrame, *sources: Mapping[str, Mapp
         path.unlink(missing_ok=True)
 
 
-def set_aside(layout: DataLayout, partition_key: str, wanted: set[str], final: pl.DataFrame, log: Log) -> None:
-    """Before ``final`` replaces the partition's file: keep its ok rows that ``final`` does not hold (answers of the
-    other EAGLE3_REGENERATE mode) in the superseded archive, so switching modes back reuses them."""
+def set_aside(
+    layout: DataLayout,
+    partition_key: str,
+    wanted: set[str],
+    finals: pl.DataFrame,
+    log: Log,
+    *sources: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """Before the run's files replace the partition's: keep every ok row that ``finals`` does not hold (the old
+    file's rows of the other EAGLE3_REGENERATE mode, the archive's rows, and ``sources``: e.g. journal lines of
+    the other mode) in the superseded archive, so switching modes back reuses them."""
     archive = layout.responses_superseded_path(partition_key)
-    _kept, old = previous_rows(layout.responses_path(partition_key), wanted, lambda _row: False, log)
-    _kept, archived = previous_rows(archive, wanted, lambda _row: False, log)
-    keep_superseded(archive, final, archived, old)
+    never: Callable[[Mapping[str, Any]], bool] = lambda _row: False  # noqa: E731
+    _kept, old = previous_rows(layout.responses_path(partition_key), wanted, never, log, corrupt_dir(layout))
+    _kept, archived = previous_rows(archive, wanted, never, log, corrupt_dir(layout))
+    keep_superseded(archive, finals, archived, old, *sources)
 
 
 def generation_result(

@@ -217,16 +217,22 @@ def turns_store_path(layout: DataLayout, partition_key: str) -> Path:
     return layout.asset_dir("synthetic_responses") / "_turns" / f"{partition_key}.parquet"
 
 
-def _read_store(path: Path, current: Callable[[Mapping[str, Any]], bool], log: Log) -> dict[str, Record]:
-    """The stored turn records that answer the current requests (others are regenerated)."""
-    if not path.exists():
-        return {}
-    try:
-        frame = pl.read_parquet(path)
-    except Exception as error:
-        log(f"ignoring unreadable {path} ({type(error).__name__}: {error}); its turns are generated again")
-        return {}
-    return {r["sample_id"]: r for r in frame.iter_rows(named=True) if current(r)}
+def _read_store(
+    path: Path, current: Callable[[Mapping[str, Any]], bool], log: Log, archive_dir: Path
+) -> tuple[dict[str, Record], dict[str, Record]]:
+    """(the stored turn records that answer the current requests, the others: kept aside, never dropped).
+
+    A store that cannot be read fails the run naming it; one proven corrupt is archived (``run_parts``)."""
+    from eagle3_assets.generation.run_parts import read_finished_parquet
+
+    frame = read_finished_parquet(path, archive_dir, log)
+    if frame is None:
+        return {}, {}
+    stored: dict[str, Record] = {}
+    other: dict[str, Record] = {}
+    for row in frame.iter_rows(named=True):
+        (stored if current(row) else other)[row["sample_id"]] = row
+    return stored, other
 
 
 async def _pool(
@@ -269,7 +275,15 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.run_parts import generation_result, request_model, run_async, set_aside, space_floor
+    from eagle3_assets.generation.run_parts import (
+        corrupt_dir,
+        generation_result,
+        previous_rows,
+        request_model,
+        run_async,
+        set_aside,
+        space_floor,
+    )
 
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)
@@ -285,9 +299,14 @@ def generate_all_turns(
         def current(record: Mapping[str, Any]) -> bool:
             return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
 
-        stored = _read_store(store_path, current, log)
+        wanted = {p.sample_id for p in prompts}
+        # turns kept aside by a last-turn run (journaled before a switch of EAGLE3_REGENERATE) or an earlier
+        # setting: reused where they answer the current requests
+        archive_path = layout.responses_superseded_path(partition_key)
+        archived, _other = previous_rows(archive_path, wanted, current, log, corrupt_dir(layout))
+        stored, stored_other = _read_store(store_path, current, log, corrupt_dir(layout))
         contents = read_journal(journal_path, current)
-        known = merge_records(stored, contents.records)
+        known = merge_records(archived, stored, contents.records)
         todo = [t for c in conversations.values() if (t := next_turn(c, known)) is not None]
         kept = sum(1 for r in known.values() if r.get("status") == STATUS_OK)
         log(f"synthetic_responses {partition_key}: {len(prompts)} conversations, {kept} turns already answered "
@@ -304,10 +323,14 @@ def generate_all_turns(
                 stats = run_async(run)
             finally:
                 journal.close()
-            known = merge_records(stored, read_journal(journal_path, current).records)
+            contents = dataclasses.replace(read_journal(journal_path, current), torn_bytes=contents.torn_bytes)
+            known = merge_records(archived, stored, contents.records)
         frame = _frame([conversation_row(c, known, partition_key) for c in conversations.values()])
-        storage.write_parquet_atomic(_frame([known[t] for t in fingerprints if t in known]), store_path)
-        set_aside(layout, partition_key, {p.sample_id for p in prompts}, frame, log)
+        turns = _frame([known[t] for t in fingerprints if t in known])
+        storage.write_parquet_atomic(turns, store_path)
+        # Before the journal goes: its lines of the other mode (an interrupted last-turn run) or of other settings,
+        # and the store's turns of other settings, are kept in the superseded archive, not dropped.
+        set_aside(layout, partition_key, wanted, pl.concat([frame, turns]), log, stored_other, contents.stale)
         storage.write_parquet_atomic(frame, final_path)
         data_version = storage.file_digest(final_path)
         manifest = {
