@@ -36,6 +36,9 @@ HIDDEN_STATES_CODE_VERSION = "hidden-states-2"  # 2: re-extracted when the verif
 # Files of a model folder that determine its outputs; tokenizer files change the rendered tokens.
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".model", ".txt", ".jinja", ".py")
 _HASH_CACHE = "_verifier_hashes.json"
+LINEAGE_FILE = "lineage.json"  # a hidden_states version's own record (publish.LINEAGE_FILE: the same name)
+# what the training fingerprint records for the vocabulary when the run loaded no mapping
+NO_VOCAB_MAPPING = "no vocab_mapping"
 
 
 # ------------------------------------------------------------------------------------------- prompt drift
@@ -177,8 +180,10 @@ class PartitionLineage:
     def checks_passed(self) -> bool:
         return bool(self.checks) and all(self.checks.values())
 
-    def save(self, layout: DataLayout) -> None:
-        path = layout.lineage_path(self.asset, self.partition_key)
+    def save(self, layout: DataLayout, folder: Path | None = None) -> None:
+        """Write the record beside the partition; ``folder``: the hidden_states version folder it describes (the
+        one a reader pinned), else the version the pointer names now."""
+        path = folder / LINEAGE_FILE if folder is not None else layout.lineage_path(self.asset, self.partition_key)
         if self.asset == "hidden_states" and not path.parent.is_dir():
             # written into the published version only: never a folder made up where the pointer is missing
             raise FileNotFoundError(
@@ -200,13 +205,26 @@ class PartitionLineage:
             return None
 
 
-def record_checks(layout: DataLayout, asset: str, partition_key: str, outcomes: Mapping[str, bool]) -> None:
-    """Store check outcomes in the partition's lineage (the checks run after the output is written)."""
-    lineage = PartitionLineage.load(layout, asset, partition_key)
+def record_checks(
+    layout: DataLayout,
+    asset: str,
+    partition_key: str,
+    outcomes: Mapping[str, bool],
+    folder: Path | None = None,
+) -> None:
+    """Store check outcomes in the partition's lineage (the checks run after the output is written).
+
+    ``folder``: the hidden_states version folder the checks read (pinned): the outcomes go into that version's
+    lineage, never into one a concurrent rebuild published meanwhile (which nobody checked)."""
+    lineage = (
+        PartitionLineage.load_file(folder / LINEAGE_FILE)
+        if folder is not None
+        else PartitionLineage.load(layout, asset, partition_key)
+    )
     if lineage is None:
         lineage = PartitionLineage(asset, partition_key, data_version="")
     lineage.checks = {**lineage.checks, **{k: bool(v) for k, v in outcomes.items()}}
-    lineage.save(layout)
+    lineage.save(layout, folder)
 
 
 def partitions_passing_checks(layout: DataLayout, keys: Iterable[str]) -> tuple[list[str], dict[str, str]]:
@@ -240,7 +258,9 @@ def files_digest(paths: Iterable[Path]) -> str:
 
 
 def hidden_states_staging_dir(layout: DataLayout, partition_key: str) -> Path:
-    return layout.asset_dir("hidden_states") / "_staging" / partition_key
+    from eagle3_assets import publish
+
+    return publish.staging_dir(layout, partition_key)
 
 
 _STAGING_INPUTS = "_staging_inputs.json"  # marks a build in progress; removed when it is published
@@ -348,31 +368,45 @@ def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path)
 
 
 def training_inputs_digest(
-    layout: DataLayout, keys: Iterable[str], verifier_path: Path, dirs: Mapping[str, Path] | None = None
+    layout: DataLayout,
+    keys: Iterable[str],
+    verifier_path: Path,
+    dirs: Mapping[str, Path] | None = None,
+    vocab_digest: str | None = None,
 ) -> str:
     """A content hash of what a draft trains on: each partition's recorded hidden-states data version and
-    index content, the vocabulary mapping files and the verifier content (not paths and counts). ``dirs``: the
-    pinned version folder of each key (else the current one)."""
+    index content, the vocabulary mapping and the verifier content (not paths and counts). ``dirs``: the
+    pinned version folder of each key (else the current one). ``vocab_digest``: the digest of the mapping bytes
+    the run loaded (``training.vocab.LoadedVocabMapping.digest``, or :data:`NO_VOCAB_MAPPING`): a mapping
+    rebuilt after the load must not be what the checkpoint claims it was trained with. None (a caller that
+    loads nothing): the files in the mapping folder now."""
     parts: list[Any] = []
     for key in sorted(keys):
         folder = (dirs or {}).get(key) or layout.hidden_states_dir(key)
-        lineage = PartitionLineage.load_file(folder / "lineage.json")
+        lineage = PartitionLineage.load_file(folder / LINEAGE_FILE)
         index = folder / "index.parquet"
         parts.append(
             [key, lineage.data_version if lineage else None, storage.file_digest(index) if index.exists() else None]
         )
-    vocab_dir = layout.vocab_mapping_dir
-    vocab = files_digest(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None
+    vocab = vocab_digest
+    if vocab is None:
+        vocab_dir = layout.vocab_mapping_dir
+        vocab = files_digest(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None
     verifier = verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states"))
     return digest([parts, vocab, verifier])
 
 
 def training_fingerprint(
-    base: str, layout: DataLayout, keys: Iterable[str], verifier_path: Path, dirs: Mapping[str, Path] | None = None
+    base: str,
+    layout: DataLayout,
+    keys: Iterable[str],
+    verifier_path: Path,
+    dirs: Mapping[str, Path] | None = None,
+    vocab_digest: str | None = None,
 ) -> str:
     """A training run's checkpoint fingerprint: ``base`` (the config and the partition keys) plus the content
     hash of its inputs, so a checkpoint trained on other data or another verifier is never resumed."""
-    return digest([base, training_inputs_digest(layout, keys, verifier_path, dirs)], 16)
+    return digest([base, training_inputs_digest(layout, keys, verifier_path, dirs, vocab_digest)], 16)
 
 
 # ------------------------------------------------------------------------------ stale downstream partitions
@@ -383,16 +417,27 @@ def _differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> lis
 
 
 def stale_hidden_states(
-    layout: DataLayout, keys: Iterable[str] | None = None, extraction: Mapping[str, Any] | None = None
+    layout: DataLayout,
+    keys: Iterable[str] | None = None,
+    extraction: Mapping[str, Any] | None = None,
+    dirs: Mapping[str, Path] | None = None,
 ) -> dict[str, str]:
     """hidden_states partitions built from other responses than the file on disk now, or (given the current
     ``extraction`` settings, any subset of verifier / layer_ids / max_seq_len / dtype) with other settings:
-    key -> why. Partitions without a lineage record are left to the checks (not recorded: not trained on)."""
+    key -> why. Partitions without a lineage record are left to the checks (not recorded: not trained on).
+
+    THE staleness rule: ``eagle3 status``, ``backfill --missing``, training and the evaluation all ask it.
+    ``dirs``: the version folder each key's reader pinned (its lineage is judged, not the pointer's now)."""
     from eagle3_assets import publish
 
     stale: dict[str, str] = {}
     for key in publish.known_keys(layout) if keys is None else keys:
-        hidden = PartitionLineage.load(layout, "hidden_states", key)
+        pinned = (dirs or {}).get(key)
+        hidden = (
+            PartitionLineage.load_file(pinned / LINEAGE_FILE)
+            if pinned is not None
+            else PartitionLineage.load(layout, "hidden_states", key)
+        )
         if hidden is None or not hidden.data_version:
             continue
         responses = layout.responses_path(key)
@@ -407,3 +452,29 @@ def stale_hidden_states(
         if why:
             stale[key] = "; ".join(why)
     return stale
+
+
+class StaleHiddenStatesError(ValueError):
+    """A reader (training, the evaluation) was given hidden states built from other inputs than the current ones;
+    the message names each partition, what differs and the remedy."""
+
+
+def require_current_hidden_states(
+    layout: DataLayout,
+    keys: Iterable[str],
+    extraction: Mapping[str, Any],
+    dirs: Mapping[str, Path],
+    reader: str,
+) -> None:
+    """Refuse (:class:`StaleHiddenStatesError`) when any of ``keys``' pinned versions (``dirs``) is stale by
+    :func:`stale_hidden_states` against ``extraction`` (what ``reader`` would use now): a draft is never trained
+    or measured on states of another verifier, other layers or other responses."""
+    stale = stale_hidden_states(layout, list(keys), extraction, dirs)
+    if not stale:
+        return
+    listed = "; ".join(f"{key} ({why})" for key, why in sorted(stale.items()))
+    raise StaleHiddenStatesError(
+        f"{reader}: stale hidden_states partition(s), not read: {listed}. Re-materialize hidden_states for "
+        f"{'them' if len(stale) > 1 else 'it'} with the current responses, verifier and layer ids "
+        "(`eagle3 backfill --missing` plans every stale partition), then run this again"
+    )

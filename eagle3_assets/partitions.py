@@ -8,9 +8,29 @@ partitions and never moves a sample that may already have been generated.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 KEY_WIDTH = 5
+# Every partition key is data, never a path: digits only, at least KEY_WIDTH of them. Keys reach the project from
+# outside (Dagster's "Add partition", its Python API and the CLI accept any string, slashes and dots included), and
+# each one becomes a file name under the data directory, so each is checked where it becomes a path.
+KEY_PATTERN = re.compile(rf"^[0-9]{{{KEY_WIDTH},}}$")
+
+
+class InvalidPartitionKeyError(ValueError):
+    """A partition key that is not of the project's form; the message names it and the remedy."""
+
+
+def check_partition_key(key: object) -> str:
+    """``key`` itself when it is a partition key of this project's form, else :class:`InvalidPartitionKeyError`."""
+    if isinstance(key, str) and KEY_PATTERN.fullmatch(key):
+        return key
+    raise InvalidPartitionKeyError(
+        f"invalid partition key {key!r}: keys are {KEY_WIDTH} or more digits (e.g. {partition_key(0)!r}), made by "
+        "raw_prompts; a key added by hand (Dagster's 'Add partition' or add_dynamic_partitions) is refused and nothing "
+        "is written for it: delete it from the partitions of 'prompt_partitions' and re-materialize raw_prompts"
+    )
 
 
 def partition_key(index: int) -> str:

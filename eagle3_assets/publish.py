@@ -6,7 +6,8 @@ Layout under ``hidden_states/`` (Dagster-free)::
                                  ``lineage.json`` (written last: a version holding both is complete)
     {key}  -> _versions/{key}/{version}    the pointer: a relative symlink, the partition's current version
     {key}.parquet -> {key}/index.parquet   a fixed link, so the index switches with the pointer
-    _staging/{key}/              the build in progress (lineage.py ``begin_hidden_states``)
+    _versions/{key}/_staging/    the build in progress (lineage.py ``begin_hidden_states``), beside the versions
+                                 so that publishing it is a rename within one filesystem
 
 Publishing renames the finished staging folder to a new version and then replaces the pointer with ``os.replace``
 of a symlink: a reader sees the whole old version or the whole new one, its index and lineage included, and the
@@ -33,11 +34,13 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from eagle3_assets.partitions import KEY_PATTERN, check_partition_key
 from eagle3_assets.storage import (
     DataLayout,
     PartitionBusyError,
     exclusive_lock,
     fsync_dir,
+    fsync_tree,
     pid_alive,
     remove_dead_writers_temps,
 )
@@ -51,7 +54,8 @@ LINEAGE_FILE = "lineage.json"
 PIN_FILE = "_pin.lock"
 # files of a version that belong to that version only (never hard-linked into the next build)
 VERSION_OWN_FILES = (INDEX_FILE, LINEAGE_FILE, PIN_FILE)
-_KEY = re.compile(r"^\d{5,}$")
+STAGING_NAME = "_staging"  # the build in progress, inside _versions/{key}/: same filesystem as the versions
+_VERSION_NAME = re.compile(r"^v(?P<ns>\d+)-(?P<pid>\d+)$")
 _OLD_FOLDER = re.compile(r"^\.(?P<key>\d{5,})\.old-(?P<pid>\d+)$")
 
 
@@ -60,7 +64,13 @@ class PublishError(RuntimeError):
 
 
 def versions_dir(layout: DataLayout, key: str) -> Path:
-    return layout.asset_dir(ASSET) / VERSIONS_DIR / key
+    return layout.asset_dir(ASSET) / VERSIONS_DIR / check_partition_key(key)
+
+
+def staging_dir(layout: DataLayout, key: str) -> Path:
+    """Where a rebuild of ``key`` is made: beside the versions it becomes one of, so publishing it is a rename
+    within one folder even when ``_versions`` (or one key's folder in it) is a link to another disk."""
+    return versions_dir(layout, key) / STAGING_NAME
 
 
 def is_complete(folder: Path) -> bool:
@@ -68,11 +78,36 @@ def is_complete(folder: Path) -> bool:
     return (folder / INDEX_FILE).is_file() and (folder / LINEAGE_FILE).is_file()
 
 
+def _pointed_version_name(layout: DataLayout, key: str) -> str | None:
+    """The name of the version the pointer names, read from the link's own text (``_versions/{key}/{name}``).
+
+    "Current" is a name, never a path compared with another path: when ``hidden_states``, ``_versions`` or the data
+    directory is a symlink or a bind mount, a resolved path and an unresolved one name the same folder differently,
+    and a sweep that compared them deleted the published version. A pointer edited by hand to another spelling of a
+    folder in ``_versions/{key}`` (an absolute path, through another link) is matched by the folder's identity."""
+    pointer = layout.hidden_states_dir(key)
+    try:
+        text = os.readlink(pointer)
+    except OSError:
+        return None
+    parts = Path(text).parts
+    if len(parts) == 3 and parts[:2] == (VERSIONS_DIR, key) and parts[2] not in {".", ".."}:
+        return parts[2]
+    target = pointer.parent / text
+    with contextlib.suppress(OSError):
+        if os.path.samefile(target.parent, versions_dir(layout, key)):
+            return target.name
+    return None
+
+
 def current_version(layout: DataLayout, key: str) -> Path | None:
-    """The version folder the pointer names when it is complete; a folder of the earlier layout itself; else None."""
+    """The version folder the pointer names when it is complete (as ``_versions/{key}/{name}`` under the data
+    directory); a pointer to a complete folder elsewhere, that folder; a folder of the earlier layout itself;
+    else None."""
     pointer = layout.hidden_states_dir(key)
     if pointer.is_symlink():
-        target = pointer.resolve()
+        name = _pointed_version_name(layout, key)
+        target = versions_dir(layout, key) / name if name is not None else pointer.resolve()
         return target if is_complete(target) else None
     return pointer if pointer.is_dir() else None
 
@@ -84,10 +119,10 @@ def known_keys(layout: DataLayout) -> list[str]:
     with contextlib.suppress(OSError):
         for entry in root.iterdir():
             old = _OLD_FOLDER.match(entry.name)
-            if _KEY.match(entry.name) or old:
+            if KEY_PATTERN.fullmatch(entry.name) or old:
                 keys.add(old["key"] if old else entry.name)
     with contextlib.suppress(OSError):
-        keys |= {p.name for p in (root / VERSIONS_DIR).iterdir() if _KEY.match(p.name)}
+        keys |= {p.name for p in (root / VERSIONS_DIR).iterdir() if KEY_PATTERN.fullmatch(p.name)}
     return sorted(keys)
 
 
@@ -147,6 +182,7 @@ def recover(layout: DataLayout, key: str) -> list[str]:
     done: list[str] = []
     root = layout.asset_dir(ASSET)
     pointer = layout.hidden_states_dir(key)
+    done += _move_earlier_staging(layout, key)
     if pointer.is_dir() and not pointer.is_symlink():
         _point(layout, key, _adopt_legacy(layout, key, pointer))
         done.append(f"moved the folder of the earlier layout into {VERSIONS_DIR}")
@@ -164,36 +200,68 @@ def recover(layout: DataLayout, key: str) -> list[str]:
     return done
 
 
+def _move_earlier_staging(layout: DataLayout, key: str) -> list[str]:
+    """A build in progress at the earlier place (``hidden_states/_staging/{key}``) moves beside the versions, so its
+    finished samples resume; where it cannot (another filesystem), it is left where it is, never deleted."""
+    earlier = layout.asset_dir(ASSET) / STAGING_NAME / key
+    staging = staging_dir(layout, key)
+    if not earlier.is_dir() or earlier.is_symlink() or staging.exists():
+        return []
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(earlier, staging)
+    except OSError as error:
+        logger.warning("hidden_states %s: the earlier build in progress %s stays where it is (%s)", key, earlier, error)
+        return []
+    fsync_dir(staging.parent)
+    return [f"moved the build in progress from {earlier} to {staging}"]
+
+
 def _pid(path: Path) -> int:
     match = _OLD_FOLDER.match(path.name)
     return int(match["pid"]) if match else os.getpid()
 
 
+def _versions(layout: DataLayout, key: str) -> list[Path]:
+    """The version folders of ``key`` (named ``v{ns}-{pid}``), oldest first; never the staging build."""
+    folder = versions_dir(layout, key)
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    found = [(int(m["ns"]), p) for p in entries if (m := _VERSION_NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
 def _complete_versions(layout: DataLayout, key: str) -> list[Path]:
     """Complete versions of ``key``, oldest first (names sort by creation time)."""
-    folder = versions_dir(layout, key)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name[1:].split("-")[0]) if p.name[1:].split("-")[0].isdigit() else 0)
+    return [p for p in _versions(layout, key) if is_complete(p)]
 
 
 def sweep(layout: DataLayout, key: str) -> list[str]:
     """Remove versions other than the current one that no reader pins, and dead swaps' ``.{key}.old-PID`` folders;
     only while the current version is complete (otherwise nothing is deleted)."""
     current = current_version(layout, key)
-    if current is None:
+    name = _pointed_version_name(layout, key)
+    if current is None or name is None:  # nothing complete, or a pointer to a folder outside _versions: keep all
         return []
     removed: list[str] = []
-    folder = versions_dir(layout, key)
-    for version in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if version == current or not version.is_dir():
+    for version in _versions(layout, key):
+        if version.name == name or _same_folder(version, current):
             continue
         if _remove_unless_pinned(version):
             removed.append(f"removed version {version.name}")
     # a killed switch's ``.{key}.tmp-PID`` link, an earlier swap's ``.{key}.old-PID`` folder (dead writers only)
     swept = remove_dead_writers_temps(layout.asset_dir(ASSET), {key, f"{key}.parquet"})
     return removed + [f"removed {p.name}" for p in swept]
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two paths are one folder (a second guard beside the name: a sweep never deletes what is current)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return True  # unknown: treated as the same, so it is kept
 
 
 def _remove_unless_pinned(version: Path) -> bool:
@@ -218,6 +286,7 @@ def publish(layout: DataLayout, key: str, staging: Path) -> Path:
         raise PublishError(f"{staging} is not a complete build (no {INDEX_FILE} or {LINEAGE_FILE}); not published")
     for line in recover(layout, key):
         logger.info("hidden_states %s: %s", key, line)
+    fsync_tree(staging)  # every file durable before the switch makes it visible
     version = versions_dir(layout, key) / _new_version_name()
     version.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, version)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.partitions import KEY_PATTERN, check_partition_key
+
 if TYPE_CHECKING:
     import polars as pl
 
@@ -52,6 +54,10 @@ class DiskSpaceError(OSError):
 
 @dataclass(frozen=True)
 class DataLayout:
+    """Every path of the data directory. A partition key becomes a path only here, and only after
+    ``check_partition_key``: a key such as ``../../x`` (Dagster accepts any string as a dynamic partition) is
+    refused before anything is opened, so nothing outside the data directory is ever written for it."""
+
     root: Path
 
     @classmethod
@@ -76,30 +82,34 @@ class DataLayout:
 
     # synthetic_responses
     def responses_path(self, partition_key: str) -> Path:
-        return self.asset_dir("synthetic_responses") / f"{partition_key}.parquet"
+        return self.asset_dir("synthetic_responses") / f"{check_partition_key(partition_key)}.parquet"
+
+    @property
+    def responses_in_progress_dir(self) -> Path:
+        return self.asset_dir("synthetic_responses") / "_in_progress"
 
     def responses_in_progress_path(self, partition_key: str) -> Path:
-        return self.asset_dir("synthetic_responses") / "_in_progress" / f"{partition_key}.jsonl"
+        return self.responses_in_progress_dir / f"{check_partition_key(partition_key)}.jsonl"
 
     def responses_manifest_path(self, partition_key: str) -> Path:
-        return self.asset_dir("synthetic_responses") / "_manifests" / f"{partition_key}.json"
+        return self.asset_dir("synthetic_responses") / "_manifests" / f"{check_partition_key(partition_key)}.json"
 
     def responses_superseded_path(self, partition_key: str) -> Path:
-        return self.asset_dir("synthetic_responses") / "_superseded" / f"{partition_key}.parquet"
+        return self.asset_dir("synthetic_responses") / "_superseded" / f"{check_partition_key(partition_key)}.parquet"
 
     def lineage_path(self, asset: str, partition_key: str) -> Path:
         if asset == "hidden_states":  # inside the published version: it switches with the folder (publish.py)
             return self.hidden_states_dir(partition_key) / "lineage.json"
-        return self.asset_dir(asset) / "_lineage" / f"{partition_key}.json"
+        return self.asset_dir(asset) / "_lineage" / f"{check_partition_key(partition_key)}.json"
 
     # hidden_states
     def hidden_states_index_path(self, partition_key: str) -> Path:
         """A fixed link to ``{key}/index.parquet``: it follows the partition's pointer (publish.py)."""
-        return self.asset_dir("hidden_states") / f"{partition_key}.parquet"
+        return self.asset_dir("hidden_states") / f"{check_partition_key(partition_key)}.parquet"
 
     def hidden_states_dir(self, partition_key: str) -> Path:
         """The partition's pointer: a symlink to its current version under ``_versions/{key}/`` (publish.py)."""
-        return self.asset_dir("hidden_states") / partition_key
+        return self.asset_dir("hidden_states") / check_partition_key(partition_key)
 
     # unpartitioned downstream assets
     @property
@@ -115,7 +125,7 @@ class DataLayout:
         return self.asset_dir("draft_evaluation")
 
     def lock_path(self, asset: str, partition_key: str | None = None) -> Path:
-        name = partition_key if partition_key is not None else "_asset"
+        name = check_partition_key(partition_key) if partition_key is not None else "_asset"
         return self.asset_dir(asset) / "_locks" / f"{name}.lock"
 
     def partition_files(self, asset: str) -> dict[str, Path]:
@@ -123,14 +133,14 @@ class DataLayout:
         folder = self.asset_dir(asset)
         if not folder.is_dir():
             return {}
-        return {p.stem: p for p in sorted(folder.glob("*.parquet"))}
+        return {p.stem: p for p in sorted(folder.glob("*.parquet")) if KEY_PATTERN.fullmatch(p.stem)}
 
     def in_progress_partitions(self) -> dict[str, Path]:
         """Journals of ``synthetic_responses`` partitions being (or left half) generated, by partition key."""
-        folder = self.responses_in_progress_path("_").parent
+        folder = self.responses_in_progress_dir
         if not folder.is_dir():
             return {}
-        return {p.stem: p for p in sorted(folder.glob("*.jsonl"))}
+        return {p.stem: p for p in sorted(folder.glob("*.jsonl")) if KEY_PATTERN.fullmatch(p.stem)}
 
     def generated_partitions(self) -> list[str]:
         """Keys that hold generated work in any form: a finished file of a partitioned asset or a journal.
@@ -150,6 +160,23 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under ``folder`` and every folder in it, deepest first, then ``folder``: what a rename is
+    about to make visible (a published version, a saved draft) is durable before it can be seen. A file written
+    whole through :func:`atomic_path` is already synced; a second fsync of it costs a syscall, not a write."""
+    for dirpath, _dirnames, filenames in os.walk(folder, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def _temp_path(path: Path) -> Path:
@@ -211,6 +238,7 @@ def replace_dir_atomic(tmp: Path, target: Path) -> None:
     A kill leaves ``.NAME.tmp-PID`` / ``.NAME.old-PID``, which `remove_dead_writers_temps` sweeps on the next run.
     If the second rename fails, the old folder is put back.
     """
+    fsync_tree(tmp)  # durable before visible: the rename below must never expose a folder of unsynced files
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
     shutil.rmtree(old, ignore_errors=True)
     moved_aside = False
