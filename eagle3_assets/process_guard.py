@@ -19,9 +19,11 @@ Kept apart from ``local/vllm_server.py`` so the server module calls a few functi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -85,8 +87,86 @@ def refuse_key_args(args: Sequence[str]) -> None:
             )
 
 
+class UnsafePathError(RuntimeError):
+    """A server log, pid file or reuse marker would be written through a symbolic link, or into a folder another
+    user owns (a shared host: anyone may create names in ``/tmp``)."""
+
+
+def user_dir() -> Path:
+    """The per-user folder of server logs and reuse markers: ``$TMPDIR/eagle3-vllm-UID`` (created 0700)."""
+    return Path(tempfile.gettempdir()) / f"eagle3-vllm-{os.getuid()}"
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of the folder ``path``: never through a symbolic link, never one another user owns."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = "a symbolic link" if os.path.islink(path) else "not a folder"
+            raise UnsafePathError(
+                f"{path} is {what}; refused (server logs and markers are never written through a link someone else "
+                "may have planted): remove it, or choose another folder with $EAGLE3_VLLM_LOG_DIR / --log-dir"
+            ) from None
+        raise
+    owner = os.fstat(fd).st_uid
+    if owner != os.getuid():
+        os.close(fd)
+        raise UnsafePathError(
+            f"{path} belongs to {_owner_name(owner)}, not to the current user {_owner_name(os.getuid())}; refused "
+            "(another user could read or replace what is written there): remove it, or choose another folder with "
+            "$EAGLE3_VLLM_LOG_DIR / --log-dir"
+        )
+    return fd
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder of the current user: created 0700 when missing (parents as usual), refused when it is a
+    symbolic link, not a folder, or another user's (:class:`UnsafePathError`, naming it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    os.close(_open_dir(path))
+    return path
+
+
+def open_private_file(directory: Path, name: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
+    """Open ``directory/name`` (``directory`` checked as :func:`private_dir` does) without following a symbolic
+    link at either; a file to write must be a regular file with no other hard link. Returns a descriptor."""
+    directory = private_dir(directory)
+    dir_fd = _open_dir(directory)
+    try:
+        try:
+            fd = os.open(name, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise UnsafePathError(
+                    f"{directory / name} is a symbolic link; refused (nothing is written through it): remove it"
+                ) from None
+            raise
+    finally:
+        os.close(dir_fd)
+    info = os.fstat(fd)
+    if flags & (os.O_WRONLY | os.O_RDWR) and (not stat.S_ISREG(info.st_mode) or info.st_nlink > 1):
+        os.close(fd)
+        raise UnsafePathError(f"{directory / name} is not a plain file of its own (a link to another?); refused")
+    if flags & os.O_TRUNC:
+        os.ftruncate(fd, 0)  # only now: truncating before the checks would have emptied a planted hard link's target
+    return fd
+
+
 def marker_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"eagle3-vllm-servers-{os.getuid()}"
+    return user_dir() / "servers"
 
 
 def marker_path(host: str, port: int) -> Path:
@@ -95,20 +175,58 @@ def marker_path(host: str, port: int) -> Path:
 
 def write_marker(host: str, port: int, pid: int, model: Path, served_name: str) -> None:
     """Record a server this process started (read back by :func:`reuse_refusal`)."""
+    private_dir(user_dir())
     path = marker_path(host, port)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     record = {"pid": pid, "port": port, "model": str(Path(model).resolve()), "served_name": served_name}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**record, "started_at": time.time()}))
-    os.replace(tmp, path)
+    tmp = f".{path.name}.tmp-{os.getpid()}"
+    fd = open_private_file(path.parent, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({**record, "started_at": time.time()}))
+    dir_fd = _open_dir(path.parent)
+    try:  # a rename replaces a link planted at the marker's name, never writes through it
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_marker(host: str, port: int) -> dict:
+    private_dir(user_dir())
+    path = marker_path(host, port)
+    with os.fdopen(open_private_file(path.parent, path.name, os.O_RDONLY)) as handle:
+        return json.loads(handle.read())
 
 
 def remove_marker(host: str, port: int, pid: int | None = None) -> None:
     """Forget the server on host:port (only the record of ``pid`` when given: never another one's)."""
     path = marker_path(host, port)
-    with contextlib.suppress(OSError, ValueError):
-        if pid is None or json.loads(path.read_text()).get("pid") == pid:
+    with contextlib.suppress(OSError, ValueError, UnsafePathError):
+        if pid is None or _read_marker(host, port).get("pid") == pid:
             path.unlink()
+
+
+def process_owner(pid: int) -> int | None:
+    """The real uid of process ``pid`` (``/proc/PID/status``); None when it is gone or there is no ``/proc``."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def listener_owners(port: int) -> set[int]:
+    """The uids owning a socket that listens on TCP ``port`` (``/proc/net/tcp`` and ``tcp6``); empty when none is
+    seen there (no ``/proc``: the pid's owner is then the only check)."""
+    owners: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                # sl local_address rem_address st ... uid: st 0A is LISTEN, the port is the local address's hex tail
+                if len(fields) > 7 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    owners.add(int(fields[7]))
+    return owners
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -123,10 +241,20 @@ def reuse_refusal(host: str, port: int, model: Path, served_name: str) -> str | 
     """None when the server on host:port may be reused; otherwise why not."""
     path = marker_path(host, port)
     try:
-        record = json.loads(path.read_text())
+        record = _read_marker(host, port)
         pid = int(record["pid"])
+    except UnsafePathError as error:
+        return str(error)
     except (OSError, ValueError, KeyError, TypeError):
         return f"it was not started by eagle3 (no record in {path.parent})"
+    me = os.getuid()
+    owner = process_owner(pid)
+    if owner is not None and owner != me:  # the recorded pid now runs another user's process (pids are recycled)
+        return f"the process {pid} recorded there belongs to {_owner_name(owner)}, not to {_owner_name(me)}"
+    strangers = listener_owners(port) - {me}
+    if strangers:
+        who = ", ".join(_owner_name(uid) for uid in sorted(strangers))
+        return f"the socket listening on port {port} belongs to {who}, not to {_owner_name(me)}"
     argv = _cmdline(pid)
     wanted = str(Path(model).resolve())
     if not argv or "--port" not in argv or str(port) not in argv:

@@ -69,6 +69,11 @@ class ExtractionStopped(ExtractionError):
     """The run cannot go on: the servers refuse the key, all stayed down past the budget, or the embedded one died."""
 
 
+class LocalStorageError(ExtractionStopped):
+    """This machine's side failed (the transfer folder not readable or writable, ...): no server is to blame, and no
+    retry or other server would help, so the run stops at once naming the path."""
+
+
 @dataclass(frozen=True)
 class VLLMBackendOptions:
     """How to reach the extraction servers (see ``EAGLE3_HIDDEN_STATES_*`` in the README)."""
@@ -139,14 +144,58 @@ def _open_regular(path: Path) -> int | None:
     return fd
 
 
-def _wait_for_writer(lock: Path) -> None:
-    """Wait until the connector releases its write lock (it holds LOCK_EX until the file is written whole)."""
+LOCK_POLL_S = 0.05  # how often a wait for the connector's write lock looks again (and at a stop request)
+
+
+def lock_holders(fd: int) -> list[str]:
+    """Who holds a lock on the file open as ``fd``: ``pid N (command)`` per holder in ``/proc/locks`` (pids of this
+    machine's pid namespace: a writer on another host of a shared volume is not listed)."""
+    info = os.fstat(fd)
+    wanted = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holders: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"; "1: -> FLOCK ..." lines are waiters, not holders
+            if "->" in fields or len(fields) < 6 or fields[5] != wanted:
+                continue
+            pid = fields[4]
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = "?"
+            holders.append(f"pid {pid} ({command.strip()[:120]})")
+    return holders
+
+
+def _wait_for_writer(lock: Path, timeout_s: float, stopping: threading.Event | None = None) -> None:
+    """Wait until the connector releases its write lock (it holds LOCK_EX until the file is written whole), at most
+    ``timeout_s`` (then :class:`ExtractionError` naming the holder), or until ``stopping`` is set."""
+    import time
+
     fd = _open_regular(lock)
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        finally:
-            os.close(fd)
+    if fd is None:
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            if stopping is not None and stopping.is_set():
+                raise ExtractionError(f"stopped while waiting for the connector's lock {lock}")
+            if time.monotonic() >= deadline:
+                holders = lock_holders(fd) or ["a process this machine cannot see (another host of the volume?)"]
+                raise ExtractionError(
+                    f"{lock} is still locked by {', '.join(holders)} after {timeout_s:g} s (the request timeout): "
+                    f"the connector never finished writing {lock.stem}. If that extraction server is hung, restart "
+                    "it; the file is left in place and swept by a later run"
+                )
+            time.sleep(LOCK_POLL_S)
+    finally:
+        os.close(fd)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -160,8 +209,15 @@ def _read_bytes(path: Path) -> bytes:
         return handle.read()
 
 
-def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hidden_size: int) -> torch.Tensor:
-    """Wait for the connector's write lock, load the file and check it.
+def read_connector_file(
+    path: Path,
+    token_ids: Sequence[int],
+    n_states: int,
+    hidden_size: int,
+    lock_timeout_s: float = 600.0,
+    stopping: threading.Event | None = None,
+) -> torch.Tensor:
+    """Wait for the connector's write lock (at most ``lock_timeout_s``), load the file and check it.
 
     The file (and its lock) is deleted only once its token ids equal the request's: then it is this request's answer,
     whatever else is wrong with it. A file that is unreadable or carries other ids is left alone (it may be anything
@@ -171,7 +227,7 @@ def read_connector_file(path: Path, token_ids: Sequence[int], n_states: int, hid
     from safetensors.torch import load
 
     lock = path.with_name(f"{path.name}.lock")
-    _wait_for_writer(lock)
+    _wait_for_writer(lock, lock_timeout_s, stopping)
     try:
         tensors = load(_read_bytes(path))
     except ExtractionError:
@@ -258,6 +314,7 @@ class VLLMBackend:
         self._fatal: ExtractionStopped | None = None  # set once: every sample still waiting stops with it
         self._last_outage = "none recorded"
         self._tmp_storage: Path | None = None
+        self._closing = threading.Event()  # ends the waits for connector locks of requests nobody waits for any more
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hs-vllm-client", daemon=True)
         self._thread.start()
@@ -448,8 +505,10 @@ class VLLMBackend:
                 self._clients[url], self._model, {"input_ids": ids}, timeout=self.options.timeout_s, max_retries=0
             )
             local = local_file(path, self._storage)
-            states = await asyncio.to_thread(read_connector_file, local, ids, len(self.layer_ids) + 1, self.hidden_size)
+            states = await self._read_local(local, ids)
             return states.to(self.store_dtype)
+        except ExtractionStopped:
+            raise
         except (client.InvalidResponseError, ExtractionError, openai.APIResponseValidationError) as error:
             # the server answered, with something unusable: another attempt or server would not help
             raise ExtractionError(f"{where}: a {len(ids)}-token sample: {error}", index) from error
@@ -469,7 +528,27 @@ class VLLMBackend:
         except (openai.APIError, TimeoutError, OSError) as error:  # refused, reset, timed out
             raise _Outage() from error
 
+    async def _read_local(self, local: Path, ids: list[int]) -> torch.Tensor:
+        """The connector's file for this request, read on a worker thread; an OSError there is this machine's (the
+        server has answered): :class:`LocalStorageError`, never an outage retried for the outage budget."""
+        n_states = len(self.layer_ids) + 1
+        try:
+            return await asyncio.to_thread(
+                read_connector_file, local, ids, n_states, self.hidden_size, self.options.timeout_s, self._closing
+            )
+        except OSError as error:
+            where = error.filename or local
+            raise self._stop(
+                LocalStorageError(
+                    f"local storage error on this machine, not a server outage: {error.strerror or error} "
+                    f"({errno.errorcode.get(error.errno or 0, error.errno)}) on {where}; check that {self._storage} "
+                    f"(EAGLE3_HIDDEN_STATES_STORAGE) is readable and writable by this user (uid {os.getuid()}) and "
+                    "has space; samples already stored are kept"
+                )
+            ) from error
+
     def close(self) -> None:
+        self._closing.set()
         clients = getattr(self, "_clients", {})
         if self._loop.is_running():
             for client in clients.values():

