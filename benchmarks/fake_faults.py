@@ -26,9 +26,15 @@ FAULT_KINDS = (
     "content_list",  # content as a list of parts
     "reasoning_object",  # reasoning as an object
     "usage_strings",  # usage counts as strings
+    # a 200 whose body never completes (a stuck proxy, a runaway server): one byte every trickle_interval_s,
+    # always under a client's idle timeout; or an endless body sent as fast as the client reads it
+    "trickle",
+    "endless",
 )
 # the lying kinds: the body is whole and well-formed JSON, only a field's type is wrong
 LYING_FAULTS = frozenset({"content_list", "reasoning_object", "usage_strings"})
+# the kinds whose 200 body never ends (until hang_s): a client must bound it in time and size itself
+NEVER_ENDING_FAULTS = frozenset({"trickle", "endless"})
 
 
 @dataclass
@@ -46,7 +52,8 @@ class FakeConfig:
     stream_interval_s: float = 0.02  # SSE chunks carry the tokens produced in this interval (>= 1 token)
     api_key: str | None = None
     basic_auth: str | None = None  # "user:password": /v1/* requires "Authorization: Basic ..." (a proxy in front)
-    hang_s: float = 3600.0
+    hang_s: float = 3600.0  # also how long a trickling or endless body lasts at most
+    trickle_interval_s: float = 1.0  # the "trickle" fault: seconds between the body's bytes
     revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
     revoke_status: int = 401
     outage_after: int = 0  # > 0: chat requests after this many are answered outage_status (the server went down)

@@ -17,7 +17,7 @@ from typing import Any
 
 import fake_responses as responses
 from fake_capacity import Scheduler
-from fake_faults import LYING_FAULTS, FakeConfig, draw_fault, lie
+from fake_faults import LYING_FAULTS, NEVER_ENDING_FAULTS, FakeConfig, draw_fault, lie
 
 _REASONS = {
     200: "OK",
@@ -275,6 +275,9 @@ class _Connection(asyncio.Protocol):
             self.abort(reset=False)
             return
         stream = bool(request.get("stream"))
+        if fault in NEVER_ENDING_FAULTS:
+            await self._never_ending(fault, stream)
+            return
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
         ctx = responses.Completion(
             key, n, n_prompt, finish, config, fault, include_usage, bool(request.get("return_token_ids"))
@@ -288,6 +291,49 @@ class _Connection(asyncio.Protocol):
                 await self._complete(ctx)
         finally:
             scheduler.release()
+
+    async def _never_ending(self, fault: str, stream: bool) -> None:
+        """A 200 whose body never completes: a byte at a time ("trickle") or as fast as the client reads it
+        ("endless": well-formed content that never closes, so only a size limit or a deadline ends it). Ends when
+        the client goes away, or after ``hang_s``."""
+        config = self.app.config
+        model = json.dumps(config.model)
+        if stream:
+            self.write(_head(200, "text/event-stream; charset=utf-8", None))
+            event = (
+                f'data: {{"id":"chatcmpl-endless","object":"chat.completion.chunk","created":{self.app.created},'
+                f'"model":{model},"choices":[{{"index":0,"delta":{{"content":"endless "}},"logprobs":null,'
+                '"finish_reason":null}]}\n\n'
+            ).encode()
+            endless = _chunk(event * 256)
+            trickle = _chunk(b"\n")  # an empty SSE line: valid, and it resets any idle timer
+        else:
+            opening = (
+                f'{{"id":"chatcmpl-endless","object":"chat.completion","created":{self.app.created},'
+                f'"model":{model},"choices":[{{"index":0,"message":{{"role":"assistant","content":"'
+            ).encode()
+            if fault == "trickle":
+                # an ordinary Content-Length: the reply looks like a small, whole one that is slow to arrive
+                self.write(_head(200, "application/json", 4096) + opening)
+            else:
+                # no length (chunked): only the bytes that arrive can tell the client it is too big
+                self.write(_head(200, "application/json", None) + _chunk(opening))
+            endless = _chunk(b"endless " * 8192)
+            trickle = b"x"  # more of the content string, one byte at a time
+        ends = time.monotonic() + config.hang_s
+        while not self.closed and time.monotonic() < ends:
+            if fault == "trickle":
+                self.write(trickle)
+                await asyncio.sleep(config.trickle_interval_s)
+                continue
+            transport = self.transport
+            # only as fast as the client reads: the server's own send buffer must not grow without bound
+            if transport is not None and transport.get_write_buffer_size() < 2**20:
+                self.write(endless)
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.001)
+        self.abort(reset=False)
 
     async def _complete(self, c: responses.Completion) -> None:
         await asyncio.sleep(c.config.ttft_s + c.n / c.config.token_rate)

@@ -21,7 +21,8 @@ What it imitates:
   run is reproducible and a retried request usually succeeds: HTTP 500, 429, connection reset part-way
   through the body, hang (never answers), truncated body / stream, invalid JSON, a 200 whose body is not a
   chat completion, empty ``choices``, and a 200 whose fields have the wrong type (``content`` a list,
-  ``reasoning`` an object, usage counts as strings).
+  ``reasoning`` an object, usage counts as strings), and a 200 whose body never ends: ``trickle`` (a byte every
+  ``trickle_interval_s``, under any idle timeout) or ``endless`` (well-formed content as fast as the client reads).
 - A server that goes down mid-run: with ``outage_after`` > 0, every chat request after the first
   ``outage_after`` is answered ``outage_status`` (503 by default) while ``/v1/models`` still answers.
 - A key revoked mid-run: with ``revoke_after`` > 0, every chat request after the first ``revoke_after``
@@ -60,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 # Re-exported: tests and benchmarks import these names from fake_vllm.
-from fake_faults import FAULT_KINDS, LYING_FAULTS, FakeConfig, config_to_args, draw_fault
+from fake_faults import FAULT_KINDS, LYING_FAULTS, NEVER_ENDING_FAULTS, FakeConfig, config_to_args, draw_fault
 from fake_http import FakeVLLM
 from fake_responses import (
     natural_length,
@@ -247,6 +248,7 @@ def post_json(url: str, payload: Any = None) -> Any:
 __all__ = [
     "FAULT_KINDS",
     "LYING_FAULTS",
+    "NEVER_ENDING_FAULTS",
     "FakeConfig",
     "FakeServerProcess",
     "FakeVLLM",

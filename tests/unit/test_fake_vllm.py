@@ -12,6 +12,7 @@ import pytest
 
 from fake_vllm import (
     FAULT_KINDS,
+    NEVER_ENDING_FAULTS,
     FakeConfig,
     config_to_args,
     draw_fault,
@@ -185,6 +186,8 @@ def test_stats_count_requests_per_prompt_and_reset(make_server) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_each_fault_kind(make_server, stream: bool) -> None:
     for kind in FAULT_KINDS:
+        if kind in NEVER_ENDING_FAULTS:  # a body that never ends: tests/unit/test_safety_fake_never_ending.py
+            continue
         client = make_server(token_rate=5000, median_tokens=40, hang_s=2, stream_interval_s=0.005, faults={kind: 1.0})
         body = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
         if kind == "hang":
