@@ -84,6 +84,32 @@ def status_failure(status: int, body: bytes, headers: Mapping[str, str] | None =
     return RequestFailed(f"HTTP {status}: {error_message(body)}", retryable, status, _retry_after(headers))
 
 
+def deadline_failure(deadline_s: float, received: int | None) -> RequestFailed:
+    """A request whose reply did not end within its whole-request deadline, however steadily bytes arrived (a
+    server or proxy trickling a body stays under any idle timeout): retryable, and a timeout like a silent one."""
+    arrived = "" if received is None else f" ({received:,} bytes of it had arrived)"
+    return RequestFailed(
+        f"timeout: the reply did not end within the request timeout of {deadline_s:g} s (EAGLE3_REQUEST_TIMEOUT_S)"
+        f"{arrived}",
+        True,
+        kind="timeout",
+    )
+
+
+def too_large_failure(limit: int, declared: int | None = None) -> RequestFailed:
+    """A reply body beyond its size limit (:func:`eagle3_assets.generation.replies.reply_limit`): a runaway server
+    or a lying proxy. The server answered, so it is retried like a malformed reply and never benches the endpoint.
+
+    ``declared``: the Content-Length that announced it; else the body passed the limit while arriving (how far
+    depends on the client's buffering, so it is not said: both transports report the same text)."""
+    what = "passed" if declared is None else f"announces {declared:,} bytes,"
+    return RequestFailed(
+        f"reply too large: its body {what} beyond the limit of {limit:,} bytes this request's max_tokens allows "
+        "(a runaway server, or a proxy that never ends the body)",
+        True,
+    )
+
+
 def _retry_after(headers: Mapping[str, str] | None) -> float | None:
     try:
         value = headers.get("retry-after") if headers is not None else None

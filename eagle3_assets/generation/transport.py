@@ -11,6 +11,11 @@
 
 Both only use their libraries' public APIs, send the same request and classify failures through
 :mod:`eagle3_assets.generation.errors`; ``tests/unit/test_generation_transport.py`` pins them to identical results.
+
+Both bound a reply in time and in size, streamed or not: the whole request (connection, request, every byte of the
+reply) must end within ``deadline_s`` (a server or proxy that answers 200 and then trickles the body stays under any
+per-read timeout), and a body beyond its limit (:func:`eagle3_assets.generation.replies.reply_limit`, from
+``max_tokens``) fails as soon as it passes it, so a body that never ends cannot exhaust the run's memory.
 """
 
 from __future__ import annotations
@@ -18,19 +23,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
 from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.generation.errors import RequestFailed, classify, status_failure
-from eagle3_assets.generation.replies import CHAT_PATH, Completion, parse_completion, parse_sse, read_sse
+from eagle3_assets.generation.errors import (
+    RequestFailed,
+    classify,
+    deadline_failure,
+    status_failure,
+    too_large_failure,
+)
+from eagle3_assets.generation.replies import (
+    CHAT_PATH,
+    Completion,
+    ReplyLimit,
+    parse_completion,
+    parse_sse,
+    read_sse,
+    reply_limit,
+)
 
-# A read buffer far above any response (8k tokens streamed one per chunk, token ids included, is ~2 MB): reading a
-# body whole after wait_eof() relies on aiohttp never pausing the socket for a full buffer, as nothing drains it.
+# The session's read buffer: the GET requests' (a chat reply sets its own, its size limit, see _read_body)
 READ_BUFSIZE = 32 * 2**20
+# GET /models: a list of a few served names; anything near this is no model list
+MODEL_LIST_BYTES = 16 * 2**20
+# How often a body read whole checks its size: aiohttp's flow control already stops reading at twice the limit, so
+# this only sets how soon an oversized body fails; rarely enough to cost nothing beside a request's ~1 ms of CPU.
+BODY_CHECK_S = 0.25
 # keep-alive connections beyond the endpoint's cap: a slot freed and refilled at once never waits for a socket
 EXTRA_CONNECTIONS = 8
 
@@ -68,13 +92,51 @@ def aiohttp_session(
     )
 
 
+async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of ``response``, or a :class:`RequestFailed` once it passes ``limit`` bytes.
+
+    The task waits for the body's end once (not once per SSE chunk: see AiohttpTransport.complete). The response
+    must have been requested with ``read_bufsize=limit``: aiohttp then stops reading the socket once twice the limit
+    is buffered, so memory stays bounded between two size checks.
+    """
+    if response.content_length is not None and response.content_length > limit:
+        raise too_large_failure(limit, response.content_length)
+    content = response.content
+    loop = asyncio.get_running_loop()
+    check: asyncio.TimerHandle | None = None
+
+    def check_size() -> None:
+        nonlocal check
+        if content.total_bytes > limit:
+            content.set_exception(too_large_failure(limit))  # wakes wait_eof with it
+        else:
+            check = loop.call_later(BODY_CHECK_S, check_size)
+
+    check = loop.call_later(BODY_CHECK_S, check_size)
+    try:
+        await content.wait_eof()
+    finally:
+        check.cancel()
+    if content.total_bytes > limit:
+        raise too_large_failure(limit)
+    return await response.read()
+
+
 class AiohttpTransport:
     """The default transport: POST /chat/completions over one aiohttp session, the body read in one piece."""
 
     def __init__(
-        self, url: str, authorization: str | None, *, connect_s: float, read_s: float, max_connections: int
+        self,
+        url: str,
+        authorization: str | None,
+        *,
+        connect_s: float,
+        read_s: float,
+        max_connections: int,
+        reply_limit: ReplyLimit,
     ) -> None:
         self.url = url
+        self._reply_limit = reply_limit
         self._chat_url = f"{url}{CHAT_PATH}"
         self._models_url = f"{url}/models"
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -93,27 +155,27 @@ class AiohttpTransport:
         return self._session
 
     async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
+        limit = self._reply_limit.bytes_for(body)
+        deadline = asyncio.timeout(deadline_s)
+        response: aiohttp.ClientResponse | None = None
         try:
-            if not stream:
-                async with self._client().post(self._chat_url, data=body) as response:
-                    data = await response.read()
-                    if response.status >= 300:
-                        raise status_failure(response.status, data, response.headers)
-                    return parse_completion(data)
-            async with asyncio.timeout(deadline_s), self._client().post(self._chat_url, data=body) as response:
+            async with deadline, self._client().post(self._chat_url, data=body, read_bufsize=limit) as response:
+                # The whole body at once: a stream still streams and the socket read timeout still is its idle
+                # timeout, but this task wakes once per response instead of once per SSE chunk.
+                data = await _read_body(response, limit)
                 if response.status >= 300:
-                    raise status_failure(response.status, await response.read(), response.headers)
-                # The whole body at once: the server still streams and the socket read timeout still is the
-                # idle timeout, but this task wakes once per response instead of once per SSE chunk.
-                await response.content.wait_eof()
-                return parse_sse(await response.read())
+                    raise status_failure(response.status, data, response.headers)
+                return parse_sse(data) if stream else parse_completion(data)
         except Exception as error:  # not a cancellation: CancelledError is no Exception
+            if deadline.expired():
+                received = response.content.total_bytes if response is not None else None
+                raise deadline_failure(deadline_s, received) from error
             raise classify(error) from error
 
     async def list_models(self) -> list[str]:
         try:
-            async with self._client().get(self._models_url) as response:
-                data = await response.read()
+            async with self._client().get(self._models_url, read_bufsize=MODEL_LIST_BYTES) as response:
+                data = await _read_body(response, MODEL_LIST_BYTES)
                 if response.status >= 300:
                     raise status_failure(response.status, data, response.headers)
             return _model_ids(data)
@@ -122,8 +184,8 @@ class AiohttpTransport:
 
     async def warm(self, connections: int) -> None:
         async def one() -> None:
-            async with self._client().get(self._models_url) as response:
-                await response.read()
+            async with self._client().get(self._models_url, read_bufsize=MODEL_LIST_BYTES) as response:
+                await _read_body(response, MODEL_LIST_BYTES)
 
         await asyncio.gather(*[one() for _ in range(connections)], return_exceptions=True)
 
@@ -144,16 +206,41 @@ def _model_ids(data: bytes) -> list[str]:
     return [m["id"] for m in models]
 
 
+@dataclass
+class _Meter:
+    """Bytes of a body read so far (for the deadline's message)."""
+
+    received: int | None = None
+
+
+async def _bounded(chunks: AsyncIterator[bytes], limit: int, meter: _Meter) -> AsyncIterator[bytes]:
+    """``chunks`` until they pass ``limit`` bytes in all, then a :class:`RequestFailed`."""
+    meter.received = 0
+    async for chunk in chunks:
+        meter.received += len(chunk)
+        if meter.received > limit:
+            raise too_large_failure(limit)
+        yield chunk
+
+
 class OpenAITransport:
     """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes."""
 
     def __init__(
-        self, url: str, authorization: str | None, *, connect_s: float, read_s: float, max_connections: int
+        self,
+        url: str,
+        authorization: str | None,
+        *,
+        connect_s: float,
+        read_s: float,
+        max_connections: int,
+        reply_limit: ReplyLimit,
     ) -> None:
         import httpx2
         import openai
 
         self.url = url
+        self._reply_limit = reply_limit
         self._httpx = httpx2
         timeout = httpx2.Timeout(connect=connect_s, read=read_s, write=60.0, pool=None)
         limit = max_connections + EXTRA_CONNECTIONS
@@ -169,18 +256,27 @@ class OpenAITransport:
 
     async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
         raw = self._httpx.Response
+        limit = self._reply_limit.bytes_for(body)
+        deadline = asyncio.timeout(deadline_s)
+        meter = _Meter()
         try:
-            if not stream:
-                # the SDK's default headers already say Content-Type: application/json
-                response = await self.client.post(CHAT_PATH, content=body, cast_to=raw)
-                return parse_completion(response.content)
-            async with asyncio.timeout(deadline_s):
+            async with deadline:
+                # stream=True also for a plain reply: the body is then read here, within its size limit, instead of
+                # whole by the SDK (the SDK's default headers already say Content-Type: application/json)
                 response = await self.client.post(CHAT_PATH, content=body, cast_to=raw, stream=True)  # type: ignore[call-overload]
                 try:
-                    return await read_sse(response.aiter_bytes())
+                    declared = response.headers.get("content-length")
+                    if declared is not None and declared.isdigit() and int(declared) > limit:
+                        raise too_large_failure(limit, int(declared))
+                    chunks = _bounded(response.aiter_bytes(), limit, meter)
+                    if stream:
+                        return await read_sse(chunks)
+                    return parse_completion(b"".join([chunk async for chunk in chunks]))
                 finally:
                     await response.aclose()
         except Exception as error:  # not a cancellation: CancelledError is no Exception
+            if deadline.expired():
+                raise deadline_failure(deadline_s, meter.received) from error
             raise sdk_failure(error) from error
 
     async def list_models(self) -> list[str]:
@@ -226,11 +322,12 @@ TRANSPORT_KINDS: dict[str, type[AiohttpTransport] | type[OpenAITransport]] = {
 def make_transports(config: GenerationConfig) -> dict[str, Transport]:
     """One transport per base URL.
 
-    Streaming: the read timeout is the idle timeout (no bytes for N s); the whole request is bounded by
-    request_timeout_s. Not streaming: one read may legitimately last the whole request.
+    Streaming: the read timeout is the idle timeout (no bytes for N s). Not streaming: one read may legitimately last
+    the whole request. Either way the whole request is bounded by request_timeout_s (the engine's ``deadline_s``).
     """
     kind = TRANSPORT_KINDS[config.transport]
     read_s = config.idle_timeout_s if config.stream else config.request_timeout_s
+    limit = reply_limit(config.max_tokens, config.stream, config.extra_sampling)
     return {
         url: kind(
             url,
@@ -238,6 +335,7 @@ def make_transports(config: GenerationConfig) -> dict[str, Transport]:
             connect_s=config.connect_timeout_s,
             read_s=read_s,
             max_connections=config.endpoint_cap,
+            reply_limit=limit,
         )
         for url in config.base_urls
     }
