@@ -6,7 +6,9 @@ config). The field carries the typed default, the bounds, the description, the `
 variable (if any) and an optional semantic check. From that one declaration come:
 
 - the launchpad's defaults: ``from_environ`` reads the environment variables when the definitions load
-  and binds the valid values, so the UI shows the effective values and can override them per run;
+  and binds the valid values, so the UI shows the effective values and can override them per run (a value
+  holding a URL's password is bound by its variable's name instead, so Dagster never stores or shows it:
+  ``SettingsResource.for_definitions`` in ``defs/resources.py``);
 - launch-time failure instead of load-time failure: a bad ``EAGLE3_*`` value is left out at load (the
   code location always loads) and ``check_environ`` raises the same ``ConfigError`` naming the key when a
   run that uses the resource starts (``SettingsResource.setup_for_execution``);
@@ -61,22 +63,33 @@ def fail(key: str, value: object, why: str) -> ConfigError:
 # ------------------------------------------------------------------------------------------ semantic checks
 
 
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+# Everything from a scheme to the LAST "@" before whitespace or the next URL's scheme: a password may hold "@", ","
+# or (wrongly unencoded) "/", "?" or "#", and all of it is hidden. Over-hiding text after a URL is harmless.
+_URL_USERINFO = re.compile(rf"(?P<scheme>{_SCHEME})(?:(?!{_SCHEME})\S)*@")
+# A comma separates two URLs only where the next URL (or nothing) follows it: a password may hold a comma.
+_URL_LIST_COMMA = re.compile(rf",(?=\s*(?:{_SCHEME}|,|$))")
 
 
 def redact_url_credentials(text: str) -> str:
     """``http://user:pw@host/v1`` -> ``http://***@host/v1`` in any text (a URL's credentials never reach a log line,
-    an error, metadata or a manifest)."""
+    an error, metadata or a manifest), whatever the password holds (``@``, ``,``, ``%40``)."""
     return _URL_USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def has_url_credentials(text: str) -> bool:
+    """Whether ``text`` holds a URL with ``user:password@`` (a value Dagster may only know by its variable's name)."""
+    return _URL_USERINFO.search(text) is not None
 
 
 def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
     """OpenAI-compatible base URL(s) (``http(s)://host:port/v1``): a comma-separated string or a sequence.
 
     A URL may carry credentials (``http://user:pw@host/v1``: sent as an Authorization header, see
-    ``generation.config.split_credentials``); an error never repeats them.
+    ``generation.config.split_credentials``); an error never repeats them. A comma splits the list only before the
+    next URL, so a password may hold one (``http://user:p,w@host/v1``).
     """
-    parts = value.split(",") if isinstance(value, str) else list(value)
+    parts = _URL_LIST_COMMA.split(value) if isinstance(value, str) else list(value)
     urls = [str(part).strip().rstrip("/") for part in parts if str(part).strip()]
     shown = redact_url_credentials(value) if isinstance(value, str) else [redact_url_credentials(u) for u in urls]
     if not urls:
@@ -89,6 +102,14 @@ def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
             parsed = None
         if parsed is None or parsed.scheme not in {"http", "https"} or not parsed.hostname:
             why = f"{redact_url_credentials(url)!r} is not an http(s) URL like http://127.0.0.1:8000/v1"
+            raise fail(key, shown, why)
+        if "@" in parsed.path + parsed.params + parsed.query + parsed.fragment:
+            # a password's unencoded "/", "?" or "#" ends the host early: the rest of it would be taken for a host
+            # name and a path, sent to a server and shown in errors
+            why = (
+                f"{redact_url_credentials(url)!r}: a password holding '/', '?' or '#' must be percent-encoded "
+                "(%2F, %3F, %23)"
+            )
             raise fail(key, shown, why)
     if len(set(urls)) != len(urls):
         raise fail(key, shown, "lists the same URL twice")
@@ -335,7 +356,7 @@ def as_config_error(error: Exception) -> ConfigError:
             cause = (item.get("ctx") or {}).get("error")
             if isinstance(cause, ConfigError):
                 return cause
-    return ConfigError(str(error))
+    return ConfigError(redact_url_credentials(str(error)))  # pydantic's text repeats the input value
 
 
 def check_environ(cls: type, environ: Mapping[str, str] | None = None) -> None:

@@ -205,7 +205,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1)."""
+    """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1). Secrets
+    are masked: the API key is shown as ``***`` when set, a URL's ``user:password@`` as ``***@`` (terminals, CI
+    logs and pasted bug reports keep what is printed)."""
     from eagle3_assets.defs.registry import settings_classes, settings_markdown
 
     if args.markdown:
@@ -221,7 +223,8 @@ def cmd_config(args: argparse.Namespace) -> int:
                 error = next((e for e in errors if str(e).startswith(f"{field.env}=")), None)
                 bad += error is not None
                 value = f"ERROR {error}" if error else values.get(field.name, field.default)
-                print(f"{field.env}={'' if value is None else value}")
+                print(f"{field.env}={'' if value is None else settings.redact_url_credentials(str(value))}")
+    print(f"{settings.API_KEY_ENV}={'***' if settings.read_api_key() else ''}")
     return 1 if bad else 0
 
 

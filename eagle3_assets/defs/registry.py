@@ -40,8 +40,10 @@ def settings_classes() -> list[type]:
 
 
 def default_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """Resources with the environment's valid values; never raises for a bad value (the run reports it)."""
-    return {key: cls.from_env(environ) for key, cls in settings_resources().items()}
+    """Resources with the environment's valid values; never raises for a bad value (the run reports it). A URL
+    holding a password is bound by its variable's name (``SettingsResource.for_definitions``): Dagster never
+    stores or shows it."""
+    return {key: cls.for_definitions(environ) for key, cls in settings_resources().items()}
 
 
 def env_value(key: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -9,6 +9,7 @@ resource fails when it starts, with the message naming the variable (``SettingsR
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from eagle3_assets.storage import DataLayout
 
 
 def _name_the_key(cls: type, value: Any, handler: Any, info: ValidationInfo) -> Any:
+    if isinstance(value, dg.EnvVar):
+        # bound by name (``for_definitions``): Dagster resolves it when a run starts and builds the resource again
+        # from the value, which is checked then
+        return value
     return settings.validate_field(cls, value, handler, str(info.field_name))
 
 
@@ -43,6 +48,19 @@ class SettingsResource(dg.ConfigurableResource):
         """The resource with the environment's valid values (invalid ones are reported when a run starts)."""
         values, _errors = settings.from_environ(cls, environ)
         return cls(**{**values, **overrides})
+
+    @classmethod
+    def for_definitions(cls, environ: Mapping[str, str] | None = None) -> Any:
+        """The resource for the code location: as ``from_env``, but a value holding a URL's ``user:password@`` is
+        bound by its variable's name (``dg.EnvVar``), never by value. Dagster stores a resource's configured values
+        in every run's job snapshot and shows them in the UI; for an ``EnvVar`` it stores and shows only the name,
+        and the run reads the process environment when it starts."""
+        env = os.environ if environ is None else environ
+        values, _errors = settings.from_environ(cls, env)
+        for field in settings.declared(cls):
+            if field.name in values and field.env and settings.has_url_credentials(env[field.env]):
+                values[field.name] = dg.EnvVar(field.env)
+        return cls(**values)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         settings.check_environ(type(self))

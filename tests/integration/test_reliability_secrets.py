@@ -2,8 +2,10 @@
 `eagle3 demo` runs it (definitions and resources built from the EAGLE3_* environment, Dagster's materialize() on a
 real on-disk instance in a temporary DAGSTER_HOME, every asset in order, every partition): raw_prompts,
 synthetic_responses, hidden_states, vocab_mapping, draft_model and draft_evaluation (offline: no vLLM here); then a
-run with a wrong key fails. Neither key appears in any file under the data directory or DAGSTER_HOME (SQLite event
-log and run storage, compute logs), in any Dagster event, run record or asset metadata, or in the captured output.
+run with a wrong key fails. Neither key, nor the password in EAGLE3_HIDDEN_STATES_URL, appears in any file under the
+data directory (the draft's training_history.json included) or DAGSTER_HOME (SQLite event log and run storage, its
+compressed run configs and job snapshots decoded, compute logs), in any Dagster event, run record or asset metadata,
+or in the captured output (URL passwords in all Dagster stores or shows: tests/integration/test_safety_secrets.py).
 (The engine alone is covered by tests/unit/test_generation_engine.py::test_api_key_is_sent_and_never_written.)
 
 The local vLLM server gets a key only through its environment (VLLM_API_KEY, which vLLM reads), never on its command
@@ -18,17 +20,24 @@ import json
 import logging
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import dagster as dg
 import pytest
+from dagster._serdes import serialize_value
 
 from eagle3_assets.local import vllm_server as vs
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import fake_server_pipeline_env, write_jsonl
+from support.secrets import leaks, password_forms, sqlite_texts, with_password
 
 SECRET = "sk-reliability-7f3a9c-do-not-leak"
 WRONG = "sk-wrong-key-5e1b2d-do-not-leak-either"
+# In EAGLE3_HIDDEN_STATES_URL (percent-encoded there): the hf backend never contacts it, but draft_model's training
+# config carries the extraction URLs, and its training_history.json is stored next to the draft.
+URL_USER = "bob"
+URL_PASSWORD = "hs4e1f@pass9c2b,word3a7d"
 GOOD_PARTITIONS = ["00000", "00001"]  # one trains the draft, the other is held out
 REFUSED_PARTITION = "00002"
 # Sized to seconds on 2 cores; the shapes and code paths are the demo's (eagle3_assets/demo.py).
@@ -66,7 +75,11 @@ def test_api_key_appears_in_no_file_event_or_log(
     with (
         FakeServerProcess(FakeConfig(token_rate=5000, median_tokens=30, api_key=SECRET)) as server,
     ):
-        env = {**fake_server_pipeline_env(dagster_home, layout, dataset, server.base_url), "EAGLE3_API_KEY": SECRET}
+        env = {
+            **fake_server_pipeline_env(dagster_home, layout, dataset, server.base_url),
+            "EAGLE3_API_KEY": SECRET,
+            "EAGLE3_HIDDEN_STATES_URL": with_password("http://127.0.0.1:9/v1", URL_USER, quote(URL_PASSWORD, safe="")),
+        }
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         defs = build_definitions()  # resources from the environment, as `dagster dev` and the demo load them
@@ -109,7 +122,16 @@ def test_api_key_appears_in_no_file_event_or_log(
 
             events = [str(record) for run_ in instance.get_runs() for record in instance.all_logs(run_.run_id)]
             runs = [str(run_) for run_ in instance.get_runs()]
-    needles = [SECRET.encode(), WRONG.encode()]
+            # decoded: the run configs and job snapshots are stored compressed, out of reach of a byte search
+            decoded = [json.dumps(run_.run_config) for run_ in instance.get_runs()]
+            decoded += [serialize_value(instance.get_job_snapshot(r.job_snapshot_id)) for r in instance.get_runs()]
+    history = json.loads((layout.draft_model_dir / "training_history.json").read_text())
+    assert history["config"]["online_urls"] == ["http://***@127.0.0.1:9/v1"]  # which server, not its password
+    stored_anywhere = [text for _where, text in sqlite_texts(dagster_home)]
+    assert any("EAGLE3_HIDDEN_STATES_URL" in text for text in stored_anywhere)  # the snapshots were decoded
+    for text in stored_anywhere + decoded:
+        assert not leaks("Dagster's storage", text, [SECRET, WRONG, *password_forms(URL_USER, URL_PASSWORD)])
+    needles = [SECRET.encode(), WRONG.encode(), *(form.encode() for form in password_forms(URL_USER, URL_PASSWORD))]
     assert len(runs) == 1 + 2 * len(GOOD_PARTITIONS) + 3 + 1 and len(events) > 100
     metadata = [repr(value) for values in materialized.values() for value in values.values()]
     for text in events + runs + metadata:
@@ -122,7 +144,7 @@ def test_api_key_appears_in_no_file_event_or_log(
     output = captured.out + captured.err + caplog.text
     for line in ("synthetic_responses 00000", "hidden_states 00001", "draft_model epoch 1/1"):
         assert line in output, line  # the runs' log lines were captured, so they were searched
-    assert SECRET not in output and WRONG not in output
+    assert not leaks("the captured output", output, [SECRET, WRONG, *password_forms(URL_USER, URL_PASSWORD)])
 
 
 # A stand-in for vLLM's OpenAI server. With STAND_IN_ENFORCE=1 it requires ``Authorization: Bearer $VLLM_API_KEY``
