@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_assets import lineage
 from eagle3_assets.precision import resolve_precision
+from eagle3_assets.settings import redact_url_credentials
 from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
@@ -401,7 +402,9 @@ def train_draft(
         if ranks.main:
             run.core.eval()
             ckpt.save_final(run.core, final_dir, config.save_dtype)
-            record = {**run.history, "config": asdict(config), "fingerprint": run.fingerprint, "notes": run.notes}
+            # the extraction servers' URLs may hold a password (EAGLE3_HIDDEN_STATES_URL): never in a stored file
+            shown = {**asdict(config), "online_urls": [redact_url_credentials(url) for url in config.online_urls]}
+            record = {**run.history, "config": shown, "fingerprint": run.fingerprint, "notes": run.notes}
             write_json_atomic(record, out_dir / ckpt.HISTORY_FILE)
         ranks.barrier()
     return _result(run, resumed_from, timing, started, final_dir, ckpt_dir, verifier_path, meta, train_keys, val_key)
