@@ -14,6 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS
+from eagle3_assets.partitions import InvalidPartitionKeyError, check_partition_key
+
+
+def _partition_key(value: str) -> str:
+    try:
+        return check_partition_key(value)
+    except InvalidPartitionKeyError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, type=Path, help="speculators EAGLE-3 draft folder (config.json)")
     p.add_argument("--verifier", type=Path, default=None, help="verifier folder (default: the one the draft names)")
     p.add_argument("--data-dir", default=None, help="data directory (default: EAGLE3_DATA_DIR)")
-    p.add_argument("--partition", default=None, help="held-out partition (default: the last hidden_states one)")
+    p.add_argument(
+        "--partition",
+        default=None,
+        type=_partition_key,
+        help="held-out partition (default: the last hidden_states one)",
+    )
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts sent online (default 32)")
     p.add_argument(

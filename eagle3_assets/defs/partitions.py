@@ -9,4 +9,12 @@ from __future__ import annotations
 
 import dagster as dg
 
+from eagle3_assets.partitions import check_partition_key
+
 PROMPT_PARTITIONS = dg.DynamicPartitionsDefinition(name="prompt_partitions")
+
+
+def partition_key_of(context: dg.AssetExecutionContext) -> str:
+    """The run's partition key, refused by name before anything is read or written when it is not of the project's
+    form: Dagster's "Add partition" and ``add_dynamic_partitions`` accept any string (``../x`` included)."""
+    return check_partition_key(context.partition_key)

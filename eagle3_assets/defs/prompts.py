@@ -6,6 +6,7 @@ from eagle3_assets import plots, prompt_files, prompts
 from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
+from eagle3_assets.partitions import check_partition_key
 
 
 @dg.asset(
@@ -33,7 +34,8 @@ def raw_prompts(
         limit=prompt_dataset.limit,
     )
     known = set(context.instance.get_dynamic_partitions(PROMPT_PARTITIONS.name))
-    new_keys = [key for key in result.partition_keys if key not in known]
+    # keys are made by the partition scheme; checked again here, where they enter Dagster
+    new_keys = [check_partition_key(key) for key in result.partition_keys if key not in known]
     if new_keys:
         context.instance.add_dynamic_partitions(PROMPT_PARTITIONS.name, new_keys)
     for line in result.log_lines():  # the cut taken, rejects and duplicates, with examples

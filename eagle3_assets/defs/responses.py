@@ -8,7 +8,7 @@ from eagle3_assets import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.metadata import counts_table, parquet_table
-from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
 from eagle3_assets.generation.checks import DEFAULT_MAX_ERROR_RATE
@@ -65,7 +65,7 @@ def synthetic_responses(
     from eagle3_assets.lineage import PartitionLineage
 
     layout = data_store.layout
-    key = context.partition_key
+    key = partition_key_of(context)
     prompts = partition_prompts(layout, key)
     if not prompts:
         raise ValueError(f"partition {key} has no prompts in {layout.prompts_path}; re-materialize raw_prompts")

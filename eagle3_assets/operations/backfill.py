@@ -40,6 +40,7 @@ from eagle3_assets.operations.common import (
     registered_partition_keys,
     stale_downstream,
 )
+from eagle3_assets.partitions import check_partition_key
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -100,6 +101,8 @@ def plan_missing(
     registered = registered_partition_keys(instance, partitions_def)
     scope = registered
     if partitions:
+        for key in partitions:
+            check_partition_key(key)  # a path-like key is refused by name before anything else
         unknown = [k for k in partitions if k not in set(registered)]
         if unknown:
             raise ValueError(

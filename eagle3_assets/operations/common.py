@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from eagle3_assets.partitions import KEY_PATTERN
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -44,8 +49,17 @@ def registered_partition_keys(instance: dg.DagsterInstance, partitions_def: Any)
 
     if isinstance(partitions_def, dg.DynamicPartitionsDefinition):
         assert partitions_def.name is not None
-        return list(instance.get_dynamic_partitions(partitions_def.name))
-    return list(partitions_def.get_partition_keys(dynamic_partitions_store=instance))
+        keys = list(instance.get_dynamic_partitions(partitions_def.name))
+    else:
+        keys = list(partitions_def.get_partition_keys(dynamic_partitions_store=instance))
+    invalid = [key for key in keys if not KEY_PATTERN.fullmatch(key)]
+    if invalid:  # added by hand (the UI's "Add partition", the Python API): never turned into a path
+        logger.warning(
+            "ignoring partition keys that are not of this project's form (added by hand?): %s; %s",
+            ", ".join(repr(key) for key in invalid),
+            "delete them from the partitions of 'prompt_partitions' in the UI",
+        )
+    return [key for key in keys if KEY_PATTERN.fullmatch(key)]
 
 
 def partition_status(
