@@ -103,7 +103,7 @@ async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
         raise too_large_failure(limit, response.content_length)
     content = response.content
     loop = asyncio.get_running_loop()
-    check: asyncio.TimerHandle | None = None
+    check: asyncio.TimerHandle
 
     def check_size() -> None:
         nonlocal check
