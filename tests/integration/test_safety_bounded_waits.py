@@ -25,11 +25,10 @@ from typing import Any
 import pytest
 
 from eagle3_assets.local import vllm_server as vs
-from eagle3_assets.local.process_group import STOP_BUDGET_S
 from support.common import child_env
 from support.fake_extraction import ExtractionFake, serve_extraction
 from support.hidden_states_data import cached_tiny_verifier
-from support.signals import alive
+from support.signals import STOP_WITHIN_S, alive
 from support.stand_in_vllm import group_gone
 from support.stubborn_vllm import helper_pid, stubborn_python
 
@@ -57,7 +56,7 @@ def test_a_server_that_ignores_sigint_and_sigterm_is_gone_within_the_budget(tmp_
         code = server.stop()
         seconds = time.monotonic() - started
         assert code == -signal.SIGKILL
-        assert seconds < STOP_BUDGET_S + 1.0 <= 30.0, f"{seconds:.1f} s to stop"  # before: 30 + 15 + 10 s
+        assert seconds < STOP_WITHIN_S, f"{seconds:.1f} s to stop"  # before: 30 s + 15 s, then SIGKILL
         assert group_gone(pid)
         assert not alive({helper}), "the server's helper outlived the stop"  # before: left running
     finally:
@@ -199,7 +198,7 @@ def test_a_local_storage_error_stops_at_once_as_local_naming_the_path(tmp_path: 
         fake = _ReadOnlyFolder(storage, n_states=4)
         with serve_extraction(fake) as url:
             command = [sys.executable, "-c", CLIENT, url, str(storage), str(cached_tiny_verifier())]
-            try:  # before: the failed delete counted as an outage, retried behind 10, 20, 40 s benches
+            try:  # before: the failed delete counted as an outage: retried on the server 4 times, 4 files left
                 done = subprocess.run(
                     command,
                     env=child_env(),
@@ -214,8 +213,47 @@ def test_a_local_storage_error_stops_at_once_as_local_naming_the_path(tmp_path: 
         output = done.stdout + done.stderr
         assert "ERROR LocalStorageError: local storage error on this machine" in output, output[-3000:]
         assert str(storage) in output and "Permission denied" in output, output[-3000:]
-        # the first request imports speculators (seconds on a busy machine); retries would add 10 + 20 + 40 s
+        # the first request imports speculators: seconds on a busy machine
         assert float(output.split("SECONDS ")[1].split()[0]) < 30, output[-3000:]
         assert fake.requests == 1  # not retried, no other server tried
     finally:
         storage.chmod(0o755)  # pytest's clean-up of tmp_path must be able to delete it
+
+
+# ------------------------------------------------------------------------------- a signal while the model loads
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_while_the_embedded_server_loads_the_model_stops_the_run_within_30_s(tmp_path: Path) -> None:
+    import dataclasses
+
+    import dagster as dg
+
+    from eagle3_assets.storage import DataLayout
+    from support.hidden_states_data import fabricate_responses
+    from support.signals import log_text, make_pipeline, materialize_command, run, stop_mid_run
+
+    key = "00000"
+    logs = tmp_path / "vllm-logs"
+    pipeline = make_pipeline(
+        tmp_path, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(cached_tiny_verifier()),
+        EAGLE3_LAYER_IDS="1,2,3", EAGLE3_HIDDEN_STATES_BACKEND="vllm",  # no URL: the embedded server
+        EAGLE3_VLLM_PYTHON=str(stubborn_python(tmp_path)), EAGLE3_VLLM_LOG_DIR=str(logs), STUBBORN_VLLM_LOADING="1",
+    )  # fmt: skip
+    layout = DataLayout.at(pipeline.data_dir)
+    fabricate_responses(layout, key, 8)
+    with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
+        instance.add_dynamic_partitions("prompt_partitions", [key])
+
+    def loading() -> bool:
+        return any("STUBBORN loading the model" in log.read_text(errors="replace") for log in logs.glob("vllm-*.log"))
+
+    extract = materialize_command("hidden_states", key)
+    # no process left: the step, the server and its helper outside its process group (before: 30 s of SIGINT,
+    # 15 s of SIGTERM, then SIGKILL for the server only: 45 s and the helper left running)
+    output = stop_mid_run(pipeline, extract, "extract", loading, "the server loading the model", signal.SIGTERM, 180)
+    assert not layout.hidden_states_index_path(key).exists(), output[-3000:]
+    in_process = dataclasses.replace(pipeline, env={**pipeline.env, "EAGLE3_HIDDEN_STATES_BACKEND": "hf"})
+    assert run(in_process, extract, "rerun") == 0, log_text(in_process, "rerun")[-3000:]  # lock and folders free
+    assert layout.hidden_states_index_path(key).exists()
