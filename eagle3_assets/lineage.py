@@ -421,13 +421,16 @@ def stale_hidden_states(
     keys: Iterable[str] | None = None,
     extraction: Mapping[str, Any] | None = None,
     dirs: Mapping[str, Path] | None = None,
+    responses_required: bool = True,
 ) -> dict[str, str]:
     """hidden_states partitions built from other responses than the file on disk now, or (given the current
     ``extraction`` settings, any subset of verifier / layer_ids / max_seq_len / dtype) with other settings:
     key -> why. Partitions without a lineage record are left to the checks (not recorded: not trained on).
 
     THE staleness rule: ``eagle3 status``, ``backfill --missing``, training and the evaluation all ask it.
-    ``dirs``: the version folder each key's reader pinned (its lineage is judged, not the pointer's now)."""
+    ``dirs``: the version folder each key's reader pinned (its lineage is judged, not the pointer's now).
+    ``responses_required`` False: a partition whose responses file is absent is not stale for that (states copied
+    to another machine to train there: nothing contradicts them; status and backfill still report it)."""
     from eagle3_assets import publish
 
     stale: dict[str, str] = {}
@@ -443,7 +446,8 @@ def stale_hidden_states(
         responses = layout.responses_path(key)
         why = []
         if not responses.exists():
-            why.append("its synthetic_responses file is gone")
+            if responses_required:
+                why.append("its synthetic_responses file is gone")
         elif hidden.inputs.get("responses_data_version") != storage.file_digest(responses):
             why.append("built from other responses than those on disk")
         changed = _differences(hidden.inputs.get("extraction") or {}, extraction or {})
@@ -468,8 +472,9 @@ def require_current_hidden_states(
 ) -> None:
     """Refuse (:class:`StaleHiddenStatesError`) when any of ``keys``' pinned versions (``dirs``) is stale by
     :func:`stale_hidden_states` against ``extraction`` (what ``reader`` would use now): a draft is never trained
-    or measured on states of another verifier, other layers or other responses."""
-    stale = stale_hidden_states(layout, list(keys), extraction, dirs)
+    or measured on states of another verifier, other layers or other responses (states whose responses file is
+    absent here, copied to train elsewhere, are read)."""
+    stale = stale_hidden_states(layout, list(keys), extraction, dirs, responses_required=False)
     if not stale:
         return
     listed = "; ".join(f"{key} ({why})" for key, why in sorted(stale.items()))

@@ -136,11 +136,23 @@ class DraftModelRunConfig(SettingsConfig):
     )
 
 
+def configured_layer_ids(verifier: VerifierResource) -> tuple[int, ...] | None:
+    """The aux layer ids the hidden_states asset extracts with now (EAGLE3_LAYER_IDS, else EAGLE-3's default for
+    this verifier): training refuses partitions extracted at others. None without a verifier path."""
+    from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
+
+    if not verifier.path.strip():
+        return None
+    layers = verifier_shape(verifier.resolved_path()).num_layers
+    return tuple(resolve_layer_ids(verifier.layer_id_list(), layers))
+
+
 def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> TrainConfig:
     """The core's TrainConfig from the asset's run config (same-named fields) and the verifier resource."""
     return settings.core_config(
         TrainConfig,
         config,
+        layer_ids=configured_layer_ids(verifier),
         device=verifier.device,
         precision=verifier.precision,
         procs=verifier.train_procs,

@@ -1,5 +1,6 @@
 """``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
 
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -7,7 +8,7 @@ import dagster as dg
 from eagle3_assets import settings
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
-from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
@@ -102,42 +103,52 @@ def hidden_states(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
+    from eagle3_assets import publish
     from eagle3_assets.hidden_states import (
         check_finite,
         check_one_per_ok_response,
         check_token_ids,
         extract_partition,
     )
-    from eagle3_assets.lineage import PartitionLineage, record_checks
+    from eagle3_assets.hidden_states.checks import version_index_path
+    from eagle3_assets.lineage import LINEAGE_FILE, PartitionLineage, record_checks
 
     _CHECKS = {TOKEN_IDS: check_token_ids, FINITE: check_finite, ONE_PER_OK: check_one_per_ok_response}
 
     layout = data_store.layout
-    key = context.partition_key
+    key = partition_key_of(context)
     stage_config = hidden_states_config(config, verifier)
     result = extract_partition(layout, key, verifier.resolved_path(), stage_config, log=context.log.info)
 
-    recorded = PartitionLineage.load(layout, "hidden_states", key)
-    yield dg.MaterializeResult(
-        data_version=dg.DataVersion(recorded.data_version) if recorded else None,
-        metadata=hidden_states_metadata(result, key, stage_config.backend),
-    )
-    outcomes = {name: check(layout, key) for name, check in _CHECKS.items()}
-    record_checks(layout, "hidden_states", key, {name: outcome.passed for name, outcome in outcomes.items()})
+    # One version from here on: the data version, the metadata, the checks and the outcomes recorded all describe
+    # the same build, even when another run (an automation, a second launch) publishes a rebuild meanwhile.
+    with publish.pinned(layout, [key]) as dirs:
+        folder = dirs[key]
+        recorded = PartitionLineage.load_file(folder / LINEAGE_FILE)
+        yield dg.MaterializeResult(
+            data_version=dg.DataVersion(recorded.data_version) if recorded else None,
+            metadata=hidden_states_metadata(result, key, stage_config.backend, version_index_path(layout, key, folder)),
+        )
+        outcomes = {name: check(layout, key, folder) for name, check in _CHECKS.items()}
+        record_checks(layout, "hidden_states", key, {name: o.passed for name, o in outcomes.items()}, folder)
     for name, outcome in outcomes.items():
         yield check_result(name, outcome)
 
 
-def hidden_states_metadata(result: HiddenStatesResult, key: str, backend: str) -> dict[str, Any]:
-    """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths."""
+def hidden_states_metadata(
+    result: HiddenStatesResult, key: str, backend: str, index_path: Path | None = None
+) -> dict[str, Any]:
+    """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths.
+    ``index_path``: the index of the version the run pinned (default: the current one)."""
     import polars as pl
 
     from eagle3_assets import plots
 
-    lengths = pl.read_parquet(result.index_path)["seq_len"].to_list()
+    index_path = index_path or result.index_path
+    lengths = pl.read_parquet(index_path)["seq_len"].to_list()
     return {
         # one row per stored sample in the partition's index (the tensors are in safetensors files)
-        **parquet_table(result.index_path, result.samples, partitioned=True),
+        **parquet_table(index_path, result.samples, partitioned=True),
         "stored": result.stored,
         # how many samples keep a state file (all, unless built for online or hybrid training)
         "samples_with_states": result.samples_with_states,

@@ -145,13 +145,20 @@ def _ordered(stats: list[AcceptanceStats], sets: list[str], notes: list[str]) ->
 
 @contextlib.contextmanager
 def _missing_states(
-    layout: DataLayout, partition: str, verifier: Path, extraction: OnlineExtraction | None, notes: list[str]
+    layout: DataLayout,
+    partition: str,
+    folder: Path,
+    verifier: Path,
+    extraction: OnlineExtraction | None,
+    notes: list[str],
 ) -> Iterator[Any]:
-    """What computes the held-out samples' states the partition does not store (None: none missing, or no
-    extraction side given: the stored ones are evaluated, and the notes say how many that is)."""
+    """What computes the held-out samples' states the partition's pinned version ``folder`` does not store (None:
+    none missing, or no extraction side given: the stored ones are evaluated, and the notes say how many)."""
     import polars as pl
 
-    index = pl.read_parquet(layout.hidden_states_index_path(partition), columns=["file"])
+    from eagle3_assets.hidden_states.checks import version_index_path
+
+    index = pl.read_parquet(version_index_path(layout, partition, folder), columns=["file"])
     missing = index["file"].null_count()
     if missing == 0:
         yield None
@@ -165,9 +172,36 @@ def _missing_states(
 
     notes.append(f"offline: {missing} of {index.height} held-out samples' states computed by the "
                  f"{extraction.backend} backend (the partition was built for online training)")  # fmt: skip
-    aimed = for_partition(replace(extraction, verifier_path=str(verifier)), read_meta(layout, partition))
+    aimed = for_partition(replace(extraction, verifier_path=str(verifier)), read_meta(layout, partition, folder))
     with fetching(aimed, layout.evaluation_dir / ONLINE_TRANSFER_DIR) as fetch:
         yield fetch
+
+
+def _offline(
+    layout: DataLayout,
+    partition: str,
+    models: dict[str, Any],
+    verifier_path: Path,
+    options: EvaluationOptions,
+    say: Callable[[str], None],
+    notes: list[str],
+) -> list[AcceptanceStats]:
+    """The drafts simulated on the held-out partition: one version of it, pinned while it is read, and refused
+    when its lineage is stale for these drafts (other responses, another verifier, other layers than the
+    trained draft consumes)."""
+    from eagle3_assets import lineage, publish
+    from eagle3_assets.evaluation.offline import evaluate_offline
+
+    trained = models["trained"]
+    current = {
+        "verifier": lineage.verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states")),
+        "layer_ids": [int(i) for i in trained.target_layer_ids],
+    }
+    with publish.pinned(layout, [partition]) as dirs:
+        lineage.require_current_hidden_states(layout, [partition], current, dirs, "evaluation (offline)")
+        args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
+        with _missing_states(layout, partition, dirs[partition], verifier_path, options.extraction, notes) as fetch:
+            return evaluate_offline(models, *args, device=options.device, fetch=fetch, data_dir=dirs[partition])
 
 
 def run_evaluation(
@@ -178,7 +212,7 @@ def run_evaluation(
     log: Callable[[str], None] | None = None,
     write: bool = True,
 ) -> EvaluationReport:
-    from eagle3_assets.evaluation.offline import draft_verifier_path, evaluate_offline, load_draft, save_untrained_draft
+    from eagle3_assets.evaluation.offline import draft_verifier_path, load_draft, save_untrained_draft
 
     options = options or EvaluationOptions()
     say = log or logger.info
@@ -208,9 +242,7 @@ def run_evaluation(
         if partition is None or not layout.hidden_states_index_path(partition).exists():
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
-            args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
-            with _missing_states(layout, partition, verifier_path, options.extraction, notes) as fetch:
-                stats += evaluate_offline(models, *args, device=options.device, fetch=fetch)
+            stats += _offline(layout, partition, models, verifier_path, options, say, notes)
     online_runs: list[OnlineRun] = []
     if options.online:
         online_stats, online_runs = _online(

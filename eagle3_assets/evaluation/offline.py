@@ -163,19 +163,40 @@ FETCH_CHUNK = 16  # samples whose states one extraction call computes (a batched
 
 
 def iter_samples(
-    layout: DataLayout, partition_key: str, max_samples: int | None = None, fetch: StatesFetch | None = None
+    layout: DataLayout,
+    partition_key: str,
+    max_samples: int | None = None,
+    fetch: StatesFetch | None = None,
+    data_dir: Path | None = None,
 ) -> Any:
     """(sample_id, input_ids [T], loss_mask [T], hidden_states [T, n_aux+1, H]) of a partition, in row order.
 
     A partition built for online training stores some states (a disk budget) or none. ``fetch`` (token id lists ->
     states: :func:`eagle3_assets.training.online.fetching`) computes the missing ones; without it only the stored
     samples are yielded, and a partition that stores none is an error naming the remedy.
+
+    Everything comes from ONE version of the partition: ``data_dir`` (a version folder the caller pinned), else
+    the current one, pinned until the iteration ends (sample files are read lazily, chunk by chunk: through the
+    pointer, a rebuild published meanwhile would pair this index with another build's files).
     """
+    index_path = layout.hidden_states_index_path(partition_key)
+    if data_dir is None and not index_path.exists():
+        raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
+    from eagle3_assets.hidden_states.checks import version_folder
+
+    with version_folder(layout, partition_key, data_dir) as folder:
+        yield from _version_samples(layout, partition_key, folder, max_samples, fetch)
+
+
+def _version_samples(
+    layout: DataLayout, partition_key: str, data_dir: Path, max_samples: int | None, fetch: StatesFetch | None
+) -> Any:
     import polars as pl
     from datasets import load_from_disk
 
-    data_dir = layout.hidden_states_dir(partition_key)
-    index_path = layout.hidden_states_index_path(partition_key)
+    from eagle3_assets.hidden_states.checks import version_index_path
+
+    index_path = version_index_path(layout, partition_key, data_dir)
     if not index_path.exists():
         raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
     index = pl.read_parquet(index_path).sort("row")
@@ -309,12 +330,14 @@ def evaluate_offline(
     num_threads: int | None = None,
     device: str = "auto",
     fetch: StatesFetch | None = None,
+    data_dir: Path | None = None,
 ) -> list[AcceptanceStats]:
     """Offline acceptance of each draft in ``models`` (label -> loaded draft) on one hidden_states partition.
 
     The drafts run on ``device`` (``EAGLE3_DEVICE``, resolved as training resolves it: ``auto`` is the GPU when there
     is one). The states are the partition's files; ``fetch`` computes those it does not store (a partition built for
-    online training). On a CUDA machine speculators compiles the draft's forward when it is imported
+    online training). ``data_dir``: the partition's version folder the caller pinned (else the current one, pinned
+    while it is read). On a CUDA machine speculators compiles the draft's forward when it is imported
     (``conditional_torch_compile``); on the CPU path that compiled forward runs eagerly (``force_eager``), never
     through the CPU inductor's C++ build.
     """
@@ -330,7 +353,7 @@ def evaluate_offline(
     first = next(iter(models.values()))
     head = VerifierHead(verifier if verifier is not None else draft_verifier_path(first), where)
     with _eager_on_cpu(where):
-        samples = iter_samples(layout, partition_key, max_samples, fetch)
+        samples = iter_samples(layout, partition_key, max_samples, fetch, data_dir)
         return _evaluate_offline(models, head, partition_key, samples, k, say, num_threads, where)
 
 

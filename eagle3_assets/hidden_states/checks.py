@@ -1,7 +1,15 @@
-"""The hidden_states asset checks, each over a whole stored partition (Dagster-free: they return outcomes)."""
+"""The hidden_states asset checks, each over a whole stored partition (Dagster-free: they return outcomes).
+
+Each check reads ONE version of the partition: the folder its caller pinned (``data_dir``, from
+``publish.pinned``), else the one it pins itself. Read through the pointer instead, a rebuild published between
+two reads would pair the index of one build with the sample files of another.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.check_outcome import CheckOutcome
@@ -15,70 +23,91 @@ if TYPE_CHECKING:
 META_FILE = "eagle3_meta.json"
 
 
-def read_meta(layout: DataLayout, partition_key: str) -> dict[str, Any]:
-    """The partition's layer ids, widths and dtype as extracted (``eagle3_meta.json``)."""
-    return read_json(layout.hidden_states_dir(partition_key) / META_FILE)
+@contextlib.contextmanager
+def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> Iterator[Path]:
+    """``data_dir`` (a version folder the caller pinned), else the partition's current version, pinned while the
+    block runs."""
+    if data_dir is not None:
+        yield data_dir
+        return
+    from eagle3_assets import publish
+
+    with publish.pinned(layout, [partition_key]) as dirs:
+        yield dirs[partition_key]
 
 
-def _load_index(layout: DataLayout, partition_key: str) -> pl.DataFrame:
+def version_index_path(layout: DataLayout, partition_key: str, data_dir: Path) -> Path:
+    """The index of the version ``data_dir``; a folder of the earlier layout keeps it beside the folder."""
+    from eagle3_assets.publish import INDEX_FILE
+
+    own = data_dir / INDEX_FILE
+    return own if own.exists() else layout.hidden_states_index_path(partition_key)
+
+
+def read_meta(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> dict[str, Any]:
+    """The partition's layer ids, widths and dtype as extracted (``eagle3_meta.json``) of ``data_dir`` (a pinned
+    version) or the current version."""
+    return read_json((data_dir or layout.hidden_states_dir(partition_key)) / META_FILE)
+
+
+def _load_index(layout: DataLayout, partition_key: str, data_dir: Path) -> pl.DataFrame:
     import polars as pl
 
-    return pl.read_parquet(layout.hidden_states_index_path(partition_key))
+    return pl.read_parquet(version_index_path(layout, partition_key, data_dir))
 
 
-def _stored_rows(layout: DataLayout, partition_key: str) -> set[int]:
+def _stored_rows(index: pl.DataFrame) -> set[int]:
     """Rows whose state file the index lists (all of them, unless the partition was built with a store budget for
     online or hybrid training)."""
-    index = _load_index(layout, partition_key)
     return set(index.filter(index["file"].is_not_null())["row"].to_list())
 
 
-def check_token_ids(layout: DataLayout, partition_key: str) -> CheckOutcome:
+def check_token_ids(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> CheckOutcome:
     """Every stored sample's ``token_ids`` equal its dataset row's ``input_ids`` (what speculators' loader needs)."""
     from datasets import load_from_disk
     from safetensors import safe_open
 
-    data_dir = layout.hidden_states_dir(partition_key)
-    dataset = load_from_disk(str(data_dir)).with_format(None)
-    stored = _stored_rows(layout, partition_key)
-    bad = []
-    for row, ids in enumerate(dataset["input_ids"]):
-        if row not in stored:
-            continue
-        with safe_open(str(hs_file(data_dir, row)), framework="pt") as handle:
-            if handle.get_tensor("token_ids").tolist() != list(ids):
-                bad.append(row)
+    with version_folder(layout, partition_key, data_dir) as folder:
+        dataset = load_from_disk(str(folder)).with_format(None)
+        stored = _stored_rows(_load_index(layout, partition_key, folder))
+        bad = []
+        for row, ids in enumerate(dataset["input_ids"]):
+            if row not in stored:
+                continue
+            with safe_open(str(hs_file(folder, row)), framework="pt") as handle:
+                if handle.get_tensor("token_ids").tolist() != list(ids):
+                    bad.append(row)
     description = f"{len(bad)} of {len(dataset)} samples have token_ids != input_ids"
     return CheckOutcome(not bad, description, {"bad_rows": bad[:20]})
 
 
-def check_finite(layout: DataLayout, partition_key: str) -> CheckOutcome:
+def check_finite(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> CheckOutcome:
     """No NaN/Inf in any stored hidden state (reads every value)."""
     import torch
 
     from eagle3_assets.hidden_states.storage_format import load_states
 
-    data_dir = layout.hidden_states_dir(partition_key)
-    index = _load_index(layout, partition_key)
-    bad = []
-    for row in sorted(_stored_rows(layout, partition_key)):
-        hs = load_states(hs_file(data_dir, row))
-        if not bool(torch.isfinite(hs).all()):
-            bad.append(row)
+    with version_folder(layout, partition_key, data_dir) as folder:
+        index = _load_index(layout, partition_key, folder)
+        bad = []
+        for row in sorted(_stored_rows(index)):
+            hs = load_states(hs_file(folder, row))
+            if not bool(torch.isfinite(hs).all()):
+                bad.append(row)
     return CheckOutcome(not bad, f"{len(bad)} of {index.height} samples hold NaN/Inf", {"bad_rows": bad[:20]})
 
 
-def check_one_per_ok_response(layout: DataLayout, partition_key: str) -> CheckOutcome:
+def check_one_per_ok_response(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> CheckOutcome:
     """Exactly one stored sample per ``ok`` response, each sample file present."""
     ok, _failed = read_ok_responses(layout, partition_key)
-    index = _load_index(layout, partition_key)
+    with version_folder(layout, partition_key, data_dir) as folder:
+        index = _load_index(layout, partition_key, folder)
+        absent = [r for r in sorted(_stored_rows(index)) if not hs_file(folder, r).exists()]
     expected = set(ok["sample_id"].to_list())
     stored = index["sample_id"].to_list()
     missing = sorted(expected - set(stored))
     extra = sorted(set(stored) - expected)
     dupes = len(stored) - len(set(stored))
-    data_dir = layout.hidden_states_dir(partition_key)
-    absent = [r for r in sorted(_stored_rows(layout, partition_key)) if not hs_file(data_dir, r).exists()]
     passed = not (missing or extra or dupes or absent)
     return CheckOutcome(
         passed,

@@ -62,6 +62,10 @@ class TrainConfig:
     online_outage_budget_s: float = OUTAGE_BUDGET_S
     online_workers: int = 1  # loader processes fetching batches (0: in the training process, no overlap)
     prefetch_batches: int = 2  # ready batches each worker may hold: the bound on states in memory and on disk
+    # The aux layer ids the verifier is configured to extract now (EAGLE3_LAYER_IDS, resolved): a partition
+    # extracted at other layers is refused as stale (lineage.stale_hidden_states). None: not compared (the
+    # partitions' own layers are trained on, as long as they agree with each other).
+    layer_ids: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         positive = ("epochs", "tokens_per_batch", "ttt_steps", "num_layers", "keep_checkpoints", "procs")
@@ -107,6 +111,7 @@ class TrainConfig:
         ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
         ignored |= {"online_outage_budget_s"}
         ignored |= {"prefetch_batches", "progress_interval_s"}
+        ignored |= {"layer_ids"}  # a check only: the layers trained on are in the fingerprint (the data's own)
         fields = {k: v for k, v in asdict(self).items() if k not in ignored}
         if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid
             del fields["loss_on"]

@@ -168,7 +168,7 @@ def _prepare(
     import torch
 
     from eagle3_assets.speculators_adapter import build_optimizers
-    from eagle3_assets.training.vocab import load_vocab_mapping
+    from eagle3_assets.training.vocab import read_vocab_mapping
 
     layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
     device = resolve_device(config.device)
@@ -182,9 +182,10 @@ def _prepare(
         return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     notes: list[str] = []
-    mapping = load_vocab_mapping(layout)
-    if mapping is None:
+    loaded = read_vocab_mapping(layout)  # read once: the fingerprint below is of these very bytes
+    if loaded is None:
         notes.append("no vocab_mapping found: the draft uses the verifier's full vocabulary")
+    mapping = (loaded.d2t, loaded.t2d) if loaded is not None else None
     _seed(config.seed)
     core = build_draft(verifier_path, layer_ids, config, mapping).to(device)
     core.train()
@@ -208,7 +209,10 @@ def _prepare(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
     )
     # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
-    fingerprint = lineage.training_fingerprint(fingerprint, layout, [*train_keys, val_key], verifier_path, dirs)
+    vocab_digest = loaded.digest if loaded is not None else lineage.NO_VOCAB_MAPPING
+    fingerprint = lineage.training_fingerprint(
+        fingerprint, layout, [*train_keys, val_key], verifier_path, dirs, vocab_digest
+    )
     history: dict[str, Any] = {
         **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},
         "loss_curve": [],
@@ -353,6 +357,17 @@ def _main_rank_lock(layout: DataLayout, ranks: Ranks, folders: Sequence[Path]) -
         yield
 
 
+def current_extraction(layout: DataLayout, verifier_path: Path, config: TrainConfig) -> dict[str, Any]:
+    """What hidden states trained on must have been extracted with: the content of the verifier this run trains
+    against, and the configured layer ids when the caller gives them (``config.layer_ids``)."""
+    current: dict[str, Any] = {
+        "verifier": lineage.verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states"))
+    }
+    if config.layer_ids is not None:
+        current["layer_ids"] = list(config.layer_ids)
+    return current
+
+
 def train_draft(
     layout: DataLayout,
     train_keys: Sequence[str],
@@ -386,6 +401,9 @@ def train_draft(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_main_rank_lock(layout, ranks, (out_dir, ckpt_dir)))
         dirs = stack.enter_context(pinned_partitions(layout, [*train_keys, val_key], ranks))
+        # the pinned versions' lineage against what this run would extract now: never train on stale states
+        current = current_extraction(layout, verifier_path, config)
+        lineage.require_current_hidden_states(layout, [*train_keys, val_key], current, dirs, "draft_model training")
         stack.enter_context(torch_threads(config.num_threads))
         meta = partition_meta(layout, [*train_keys, val_key], dirs)
         # online: the extraction side (an embedded server when asked for) lives as long as the run

@@ -90,11 +90,30 @@ def save_vocab_mapping(d2t: Any, t2d: Any, path: Path) -> None:
     write_bytes_atomic(data, path)
 
 
+@dataclass(frozen=True)
+class LoadedVocabMapping:
+    """A checked mapping and the digest of exactly the bytes it was loaded from (what a training fingerprint
+    records: the file may be rebuilt by a concurrent ``vocab_mapping`` run right after it was read)."""
+
+    d2t: Any
+    t2d: Any
+    digest: str
+
+
 def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
     """(d2t, t2d) as torch tensors, checked (VocabMappingError names the file and the remedy); None when no
     mapping was built."""
+    loaded = read_vocab_mapping(layout)
+    return None if loaded is None else (loaded.d2t, loaded.t2d)
+
+
+def read_vocab_mapping(layout: DataLayout) -> LoadedVocabMapping | None:
+    """:func:`load_vocab_mapping` with the digest of the bytes read: the file is read ONCE, and both the tensors
+    and the digest come from those bytes. None when no mapping was built."""
+    import hashlib
+
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     path = layout.vocab_mapping_dir / MAPPING_FILE
     if not path.exists():
@@ -108,12 +127,13 @@ def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
             )
         return None
     try:
-        tensors = load_file(str(path))
+        data = path.read_bytes()
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError) as error:
         raise VocabMappingError(f"vocabulary mapping {path} is unreadable ({error}); {REMEDY}") from error
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     check_vocab_mapping(d2t, t2d, path)
-    return d2t, t2d
+    return LoadedVocabMapping(d2t, t2d, f"{MAPPING_FILE}:{hashlib.sha256(data).hexdigest()}")
 
 
 def build_vocab_mapping(
@@ -133,15 +153,17 @@ def build_vocab_mapping(
 
     import torch
 
+    from eagle3_assets import publish
     from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
     from eagle3_assets.speculators_adapter import build_vocab_mappings
 
     counts: Counter[int] = Counter()
-    for key in partition_keys:
-        path = layout.hidden_states_dir(key) / TOKEN_FREQ_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"hidden_states partition {key} has no {TOKEN_FREQ_FILE} at {path}")
-        counts.update(torch.load(path, weights_only=True))
+    with publish.pinned(layout, partition_keys) as dirs:  # the versions read: never swept or switched meanwhile
+        for key in partition_keys:
+            path = dirs[key] / TOKEN_FREQ_FILE
+            if not path.exists():
+                raise FileNotFoundError(f"hidden_states partition {key} has no {TOKEN_FREQ_FILE} at {path}")
+            counts.update(torch.load(path, weights_only=True))
     if any(t < 0 or t >= target_vocab_size for t in counts):
         raise ValueError(f"token ids outside the target vocabulary of {target_vocab_size}: wrong verifier?")
 
