@@ -52,8 +52,9 @@ def test_an_honest_reply_of_max_tokens_is_far_inside_its_limit(stream: bool, tra
     # the heaviest stream sends each token in its own event: an event's average size (one or more tokens, as the
     # timing gave them) times the tokens bounds it whatever the chunking
     heaviest = len(raw) / raw.count(b"data: ") * MAX_TOKENS if stream else len(raw)
-    # without its fixed allowance the limit still holds that reply three times over
-    assert 3 * heaviest < limit.bytes_for(body) - REPLY_ALLOWANCE_BYTES, (heaviest, limit)
+    # without its fixed allowance the limit still holds that reply twice over (about 3x under this long model name,
+    # 20x for a plain reply)
+    assert 2 * heaviest < limit.bytes_for(body) - REPLY_ALLOWANCE_BYTES, (heaviest, limit)
 
 
 def test_the_limit_grows_with_the_logprobs_a_request_asks_for() -> None:
