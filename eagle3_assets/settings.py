@@ -111,6 +111,10 @@ def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
                 "(%2F, %3F, %23)"
             )
             raise fail(key, shown, why)
+        if "," in parsed.netloc.rpartition("@")[2] + parsed.path + parsed.params + parsed.query + parsed.fragment:
+            # only a password may hold a comma: elsewhere it is a list item without its scheme (host:port/v1)
+            why = f"{redact_url_credentials(url)!r}: every URL of a comma-separated list needs its http(s)://"
+            raise fail(key, shown, why)
     if len(set(urls)) != len(urls):
         raise fail(key, shown, "lists the same URL twice")
     return urls

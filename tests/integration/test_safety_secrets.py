@@ -267,8 +267,9 @@ def test_a_refused_url_names_its_variable_and_not_its_password(tmp_path: Path, m
 
 def test_redaction_keeps_hosts_and_hides_every_password_spelling() -> None:
     """The one redaction every error and log line goes through, on the shapes that broke it: an ``@`` or ``,`` in
-    the password, a list of URLs, an encoded password, and text around them."""
-    from eagle3_assets.settings import check_base_urls, redact_url_credentials
+    the password, a list of URLs, an encoded password, and text around them. A comma splits a URL list only before
+    the next URL; a list item without its scheme is still refused."""
+    from eagle3_assets.settings import ConfigError, check_base_urls, redact_url_credentials
 
     text = (
         f"EAGLE3_VLLM_BASE_URL='http://{USER}:{PASSWORD}@a:1/v1,http://b:2/v1, http://u:{quote(ENCODED_PASSWORD)}@c/v1'"
@@ -276,3 +277,5 @@ def test_redaction_keeps_hosts_and_hides_every_password_spelling() -> None:
     assert redact_url_credentials(text) == "EAGLE3_VLLM_BASE_URL='http://***@a:1/v1,http://b:2/v1, http://***@c/v1'"
     urls = check_base_urls("K", f"http://{USER}:{PASSWORD}@a:1/v1,http://b:2/v1")
     assert urls == [f"http://{USER}:{PASSWORD}@a:1/v1", "http://b:2/v1"]  # the comma in the password splits nothing
+    with pytest.raises(ConfigError, match="every URL of a comma-separated list needs its http"):
+        check_base_urls("K", "http://a:1/v1,b:2/v1")
