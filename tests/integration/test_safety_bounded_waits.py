@@ -142,6 +142,59 @@ def test_the_wait_for_the_connectors_lock_is_bounded_and_names_the_holder(tmp_pa
             holder.wait(10)
 
 
+STOPPED_CLIENT = textwrap.dedent(
+    """
+    import signal, sys
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackend, VLLMBackendOptions
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Dagster does: SIGTERM takes Ctrl-C's path
+    url, storage, verifier = sys.argv[1:4]
+    options = VLLMBackendOptions(urls=(url,), model="m", storage_path=storage, concurrency=1)  # 600 s timeout
+    backend = VLLMBackend(verifier, [1, 2, 3], "float32", options=options, log=print)
+    try:
+        print("EXTRACTING", flush=True)
+        backend.extract([[5, 6, 7]])
+    finally:
+        backend.close()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_wait_for_the_connectors_lock_ends_the_process(tmp_path: Path, sig: int) -> None:
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    fake = _StuckWriter(storage, n_states=4)
+    fake.holders = []
+    with serve_extraction(fake) as url:
+        command = [sys.executable, "-c", STOPPED_CLIENT, url, str(storage), str(cached_tiny_verifier())]
+        client = subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not fake.holders:  # the answer is written and its lock held: the client is waiting on it
+                assert client.poll() is None and time.monotonic() < deadline, "the client never sent its request"
+                time.sleep(0.1)
+            time.sleep(1.0)
+            started = time.monotonic()
+            client.send_signal(sig)
+            try:  # before: the interrupt was raised, then the exit waited for the thread blocked in flock
+                client.wait(STOP_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running {STOP_WITHIN_S:.0f} s after {signal.Signals(sig).name}")
+            seconds = time.monotonic() - started
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait(10)
+            for holder in fake.holders:
+                holder.kill()
+                holder.wait(10)
+    assert client.stdout is not None
+    output = client.stdout.read().decode(errors="replace")
+    assert "KeyboardInterrupt" in output and seconds < 10, f"{seconds:.1f} s:\n{output[-3000:]}"
+
+
 # ------------------------------------------------------------------------------- a local storage error
 
 CLIENT = textwrap.dedent(
