@@ -118,7 +118,13 @@ class Journal:
                 written += os.write(self._fd, line[written:])
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
+                # a bare "[Errno 30] Read-only file system" (a disk remounted after errors) or EIO names no file
+                raise type(error)(
+                    error.errno,
+                    f"cannot append to the journal {self.path} ({error.strerror}); the samples journaled so far are "
+                    "kept and resumed: fix the disk or mount and run again",
+                    str(self.path),
+                ) from error
             # Cut a partly written line off again so the journal ends on a complete line, then say where and
             # how much: a bare "[Errno 28] No space left on device" names neither.
             with contextlib.suppress(OSError):
@@ -137,7 +143,12 @@ class Journal:
         """fsync if anything was appended since the last sync (safe to call from a worker thread)."""
         if self._dirty and self._fd >= 0:
             self._dirty = False
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as error:  # EIO from a failing disk: say which file, as append does
+                raise type(error)(
+                    error.errno, f"cannot fsync the journal {self.path} ({error.strerror})", str(self.path)
+                ) from error
 
     def close(self) -> None:
         if self._fd >= 0:

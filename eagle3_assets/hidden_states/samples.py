@@ -9,13 +9,14 @@ written to a temporary name and renamed, so after a kill a file either is whole 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_assets.hidden_states import storage_format
-from eagle3_assets.storage import DataLayout, atomic_path
+from eagle3_assets.storage import DataLayout, DiskSpaceError, atomic_path
 
 if TYPE_CHECKING:
     import polars as pl
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 HS_SUBDIR = "hidden_states"
 TMP_FILE = re.compile(r"^\.hs_\d+\.safetensors\.tmp-\d+$")
 HS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
+# how a Rust writer (safetensors) names the OS error it met
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 # safetensors header + JSON metadata per file, and the two small per-row dataset columns (8 B each per token)
 _FILE_OVERHEAD = 512
 _DATASET_BYTES_PER_TOKEN = 16
@@ -160,7 +163,20 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
                     return f"scales shape {scales} != {(len(input_ids), n_states, 1)}"
             if handle.get_tensor("token_ids").tolist() != input_ids:
                 return "token_ids differ from the rendered sample"
-    except Exception as error:
+    except FileNotFoundError:
+        return "missing"
+    except OSError as error:
+        # A read error is not corruption (EIO, EACCES, a stale NFS handle): fail naming the file and keep it, so a
+        # disk or mount problem never turns into deleting and recomputing the partition's samples.
+        raise type(error)(
+            error.errno,
+            f"cannot read the stored sample file {path} ({error.strerror or error}); it is kept as it is: fix the "
+            "disk, mount or permissions and run again",
+            str(path),
+        ) from error
+    except MemoryError as error:
+        raise MemoryError(f"out of memory reading the stored sample file {path}; it is kept as it is") from error
+    except Exception as error:  # safetensors' own error: the bytes are not a valid sample file (bad header, size)
         return f"unreadable ({type(error).__name__}: {error})"
     return None
 
@@ -177,6 +193,30 @@ def write_sample(
     if not bool(torch.isfinite(torch.stack((lo, hi))).all()):
         raise ValueError(f"hidden states of {sample_id} contain non-finite values (min={lo}, max={hi})")
     tensors = {**storage_format.encode(hidden_states, storage), "token_ids": torch.tensor(input_ids, dtype=torch.long)}
-    with atomic_path(path, needed_bytes=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
-        save_file(tensors, str(tmp))
+    try:
+        with atomic_path(path, needed_bytes=sum(t.numel() * t.element_size() for t in tensors.values())) as tmp:
+            save_file(tensors, str(tmp))
+    except DiskSpaceError:
+        raise  # names the path and the bytes already
+    except Exception as error:
+        named = _write_error(error, path)
+        if named is error:
+            raise
+        raise named from error
     return path.stat().st_size
+
+
+def _write_error(error: Exception, path: Path) -> Exception:
+    """A write failure of ``path`` as an OSError naming it (safetensors reports EROFS or EIO as a SafetensorError
+    naming only its own temporary file), or ``error`` itself when it is no I/O failure."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None and (match := _OS_ERROR.search(str(error))) is not None:
+        code = int(match.group(1))
+    if code is None:
+        return error
+    return OSError(
+        code,
+        f"cannot write the sample file {path} ({os.strerror(code)}); the samples stored so far are kept and resumed: "
+        "fix the disk or mount and run again",
+        str(path),
+    )

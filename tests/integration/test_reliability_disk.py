@@ -4,6 +4,7 @@ freed the partial partition resumes without losing a journaled sample."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -204,3 +205,147 @@ def test_lock_on_a_full_disk_is_still_taken(small_fs: SmallFs) -> None:
         storage.exclusive_lock(lock, "partition 00000"),
     ):
         pass
+
+
+# ------------------------------------------------------------------------------------- read-only disk (issue 31)
+
+
+def _remount(point: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(point)], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def _read_only(point: Path) -> Iterator[None]:
+    """The filesystem at ``point`` read-only for the block (as a disk the kernel remounted after errors)."""
+    _remount(point, "ro")
+    try:
+        yield
+    finally:
+        _remount(point, "rw")
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): _digest(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_generation_on_a_read_only_disk_names_the_path_keeps_everything_and_resumes(
+    small_fs: SmallFs, server: FakeServerProcess
+) -> None:
+    small_fs.resize("16m")
+    layout = DataLayout.at(small_fs.point / "data")
+    _earlier_partition(layout, server.base_url)
+    prompts = make_prompts(20, "ro")
+    key = "00001"
+    first = generate_partition(prompts[:10], key, layout, quick_config(server.base_url), log=lambda _m: None)
+    assert first.ok == 10
+    before = _tree(layout.root)
+    server.reset_stats()
+    with _read_only(small_fs.point), pytest.raises(OSError) as raised:
+        generate_partition(prompts, key, layout, quick_config(server.base_url), log=lambda _m: None)
+    assert raised.value.errno == errno.EROFS
+    assert str(layout.root) in str(raised.value) and "writable" in str(raised.value)
+    assert server.stats()["total_requests"] == 0
+    assert _tree(layout.root) == before  # nothing published lost or changed
+
+    result = generate_partition(prompts, key, layout, quick_config(server.base_url), log=lambda _m: None)
+    assert (result.ok, result.resumed, result.requested) == (20, 10, 10)  # writable again: it resumes
+
+
+def test_a_read_only_journal_folder_fails_naming_the_journal_before_any_request(
+    small_fs: SmallFs, server: FakeServerProcess, tmp_path: Path
+) -> None:
+    """Only the in-progress folder is read-only (a read-only bind mount over it): the lock is taken, the journal
+    cannot be opened; the error names the journal and nothing is requested or lost."""
+    small_fs.resize("16m")
+    layout = DataLayout.at(small_fs.point / "data")
+    early = _earlier_partition(layout, server.base_url)
+    journal_dir = layout.responses_in_progress_path("00001").parent
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(journal_dir), str(journal_dir)], check=True, capture_output=True)
+    try:
+        _remount(journal_dir, "bind,ro")
+        server.reset_stats()
+        with pytest.raises(OSError) as raised:
+            generate_partition(make_prompts(8, "rj"), "00001", layout, quick_config(server.base_url), log=print)
+        assert raised.value.errno == errno.EROFS
+        assert str(layout.responses_in_progress_path("00001")) in str(raised.value)
+        assert server.stats()["total_requests"] == 0
+        assert _digest(layout.responses_path("00000")) == early
+    finally:
+        subprocess.run(["umount", str(journal_dir)], check=False, capture_output=True)
+    result = generate_partition(make_prompts(8, "rj"), "00001", layout, quick_config(server.base_url), log=print)
+    assert (result.ok, result.requested) == (8, 8)
+
+
+@pytest.mark.slow  # three extractions with the tiny verifier
+def test_extraction_on_a_read_only_disk_names_the_path_keeps_the_published_states_and_resumes(
+    small_fs: SmallFs,
+) -> None:
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+    small_fs.resize("64m")
+    layout = DataLayout.at(small_fs.point / "data")
+    verifier = cached_tiny_verifier()
+    config = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=96)
+    fabricate_responses(layout, "00000", 12)
+    first = extract_partition(layout, "00000", verifier, config)
+    assert first.stored == 12
+    before = _tree(layout.root)
+    with _read_only(small_fs.point), pytest.raises(OSError) as raised:
+        extract_partition(layout, "00000", verifier, config)
+    assert raised.value.errno == errno.EROFS
+    assert str(layout.root) in str(raised.value) and "writable" in str(raised.value)
+    assert _tree(layout.root) == before  # the published hidden states and everything else kept
+
+    again = extract_partition(layout, "00000", verifier, config)
+    assert (again.samples, again.stored, again.samples_with_states) == (12, 0, 12)  # resumed: nothing recomputed
+
+
+@pytest.mark.slow  # three extractions with the tiny verifier
+def test_extraction_whose_sample_folder_turns_read_only_names_the_file_keeps_the_published_states_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """The rebuild's sample folder becomes read-only just before the forward passes (a read-only bind mount over
+    it): the write error names the sample file, the published version is untouched, and once the folder is
+    writable again the rebuild resumes."""
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from eagle3_assets.hidden_states.samples import HS_SUBDIR
+    from eagle3_assets.lineage import hidden_states_staging_dir
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+    layout = DataLayout.at(tmp_path / "data")
+    verifier = cached_tiny_verifier()
+    config = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=96)
+    fabricate_responses(layout, "00000", 8)
+    extract_partition(layout, "00000", verifier, config)
+    version = layout.hidden_states_dir("00000").resolve()
+    published = _tree(version)
+    fabricate_responses(layout, "00000", 16)  # the partition grew: a rebuild beside the published version
+    sample_dir = hidden_states_staging_dir(layout, "00000") / HS_SUBDIR
+    mounted: list[Path] = []
+
+    def read_only_before_computing(message: str) -> None:
+        if "to compute" in message and not mounted:
+            sample_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                subprocess.run(["mount", "--bind", str(sample_dir), str(sample_dir)], check=True, capture_output=True)
+            except (subprocess.CalledProcessError, FileNotFoundError) as error:
+                pytest.skip(f"cannot bind-mount here (needs root / CAP_SYS_ADMIN): {error}")
+            mounted.append(sample_dir)
+            _remount(sample_dir, "bind,ro")
+
+    try:
+        with pytest.raises(OSError) as raised:
+            extract_partition(layout, "00000", verifier, config, log=read_only_before_computing)
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", str(point)], check=False, capture_output=True)
+    assert mounted, "the extraction never reached its forward passes"
+    assert raised.value.errno == errno.EROFS
+    assert str(sample_dir / "hs_") in str(raised.value), raised.value  # the sample file it could not write
+    assert layout.hidden_states_dir("00000").resolve() == version and _tree(version) == published
+
+    again = extract_partition(layout, "00000", verifier, config)
+    assert (again.samples, again.samples_with_states) == (16, 16)
+    assert 0 < again.stored < 16  # resumed: the samples the published version had were reused
