@@ -52,8 +52,9 @@ DEFAULT_MAX_ROW_BYTES = 16 << 20
 ROW_BYTES_PER_PROMPT_CHAR = 16
 # Parquet rows decoded at a time: a batch of Python rows is what memory holds of a Parquet dataset.
 PARQUET_BATCH_ROWS = 256
-# Bytes read from the file at a time skipping an oversized JSONL line.
-SKIP_READ_BYTES = 1 << 20
+# Bytes read at a time where the size of what is read is not bounded by the format: the rest of an oversized JSONL
+# line being skipped, a Parquet column chunk's pages (a row group can be gigabytes).
+READ_BLOCK_BYTES = 1 << 20
 # Bytes of a row kept for its reject snippet: the 200 characters ``prompts`` shows, at up to 4 bytes each.
 SNIPPET_BYTES = 4 * 200
 # Skipping an oversized JSON-array record: the characters that matter outside a string, and inside one.
@@ -155,7 +156,7 @@ def _skip_rest_of_line(handle: Any) -> int:
     """Read past the rest of the current line in bounded reads; returns its bytes (the newline not counted)."""
     skipped = 0
     while True:
-        part = handle.readline(SKIP_READ_BYTES)
+        part = handle.readline(READ_BLOCK_BYTES)
         if part.endswith(b"\n"):
             return skipped + len(part) - 1
         if not part:
@@ -224,8 +225,8 @@ def parquet_rows(path: Path) -> Iterator[Row]:
     # ArrowException on a corrupt file (ArrowInvalid: bad magic, footer, page), an OSError when unreadable
     unreadable = (pa.ArrowException, OSError)
     try:
-        # buffer_size: read each column chunk as a stream of pages, not whole (a row group can be gigabytes)
-        batches = pq.ParquetFile(path, buffer_size=SKIP_READ_BYTES, pre_buffer=False).iter_batches(
+        # buffer_size: each column chunk read as a stream of pages, not whole; no pre-buffering of row groups
+        batches = pq.ParquetFile(path, buffer_size=READ_BLOCK_BYTES, pre_buffer=False).iter_batches(
             batch_size=PARQUET_BATCH_ROWS, use_threads=False
         )
     except unreadable as error:
@@ -259,9 +260,9 @@ class _Text:
         self.eof = False
 
     def more(self, keep_from: int, most: int | None = None) -> int:
-        """Drop the text before ``keep_from``, append the next chunk (at least as long as what is kept, so a
-        long record takes few rounds, but no more than brings the kept text to ``most`` characters); returns how
-        many characters were dropped. Sets ``eof`` at the end."""
+        """Drop the text before ``keep_from``, append the next chunk (as long as what is kept, so a long record
+        takes few rounds, but no longer than brings the text to ``most`` characters, and at least ``chunk_chars``);
+        returns how many characters were dropped. Sets ``eof`` at the end."""
         if self.eof:
             return 0
         self.base_bytes += len(self.text[:keep_from].encode("utf-8", "surrogateescape"))
