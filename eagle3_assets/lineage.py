@@ -227,13 +227,21 @@ def record_checks(
     lineage.save(layout, folder)
 
 
-def partitions_passing_checks(layout: DataLayout, keys: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+def partitions_passing_checks(
+    layout: DataLayout, keys: Iterable[str], dirs: Mapping[str, Path] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(usable keys, excluded key -> why): a hidden_states partition is usable for training when its own checks
-    passed, the responses it was built from passed theirs, and it was built from the responses now on disk."""
+    passed, the responses it was built from passed theirs, and it was built from the responses now on disk.
+    ``dirs``: the version folder each key's reader pinned (else the pointer's version now)."""
     usable: list[str] = []
     excluded: dict[str, str] = {}
     for key in keys:
-        hidden = PartitionLineage.load(layout, "hidden_states", key)
+        pinned = (dirs or {}).get(key)
+        hidden = (
+            PartitionLineage.load_file(pinned / LINEAGE_FILE)
+            if pinned is not None
+            else PartitionLineage.load(layout, "hidden_states", key)
+        )
         responses = PartitionLineage.load(layout, "synthetic_responses", key)
         if hidden is None or not hidden.checks_passed:
             failed = sorted(k for k, v in (hidden.checks if hidden else {}).items() if not v)

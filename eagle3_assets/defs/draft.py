@@ -153,6 +153,7 @@ def train_config(config: DraftModelRunConfig, verifier: VerifierResource) -> Tra
         TrainConfig,
         config,
         layer_ids=configured_layer_ids(verifier),
+        checked_partitions_only=True,  # chosen by hidden_state_partitions: re-judged on the versions pinned
         device=verifier.device,
         precision=verifier.precision,
         procs=verifier.train_procs,

@@ -66,6 +66,10 @@ class TrainConfig:
     # extracted at other layers is refused as stale (lineage.stale_hidden_states). None: not compared (the
     # partitions' own layers are trained on, as long as they agree with each other).
     layer_ids: tuple[int, ...] | None = None
+    # Train only on versions whose recorded checks passed (lineage.partitions_passing_checks), judged on the
+    # versions pinned: the draft_model asset chose its partitions by their checks, and a rebuild published after
+    # that choice is unchecked until its own run records them. False: the caller vouches for the partitions.
+    checked_partitions_only: bool = False
 
     def validate(self) -> None:
         positive = ("epochs", "tokens_per_batch", "ttt_steps", "num_layers", "keep_checkpoints", "procs")
@@ -111,7 +115,8 @@ class TrainConfig:
         ignored |= {"hidden_states_source", "online_backend", "online_urls", "online_storage", "online_workers"}
         ignored |= {"online_outage_budget_s"}
         ignored |= {"prefetch_batches", "progress_interval_s"}
-        ignored |= {"layer_ids"}  # a check only: the layers trained on are in the fingerprint (the data's own)
+        # checks only: the layers trained on are in the fingerprint (the data's own), and so is the data
+        ignored |= {"layer_ids", "checked_partitions_only"}
         fields = {k: v for k, v in asdict(self).items() if k not in ignored}
         if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid
             del fields["loss_on"]

@@ -368,6 +368,19 @@ def current_extraction(layout: DataLayout, verifier_path: Path, config: TrainCon
     return current
 
 
+def _require_checked(layout: DataLayout, keys: Sequence[str], dirs: Mapping[str, Path]) -> None:
+    """Refuse versions whose checks did not pass (or are not recorded yet): the partitions were chosen by the
+    checks of the versions current then, and a rebuild may have been published since."""
+    _usable, excluded = lineage.partitions_passing_checks(layout, keys, dirs)
+    if excluded:
+        listed = "; ".join(f"{key} ({why})" for key, why in sorted(excluded.items()))
+        raise lineage.StaleHiddenStatesError(
+            f"draft_model training: the hidden_states version now published is not usable: {listed}. A rebuild "
+            "was published after the partitions were chosen, or its checks failed: wait for its run to record "
+            "its checks (or re-materialize hidden_states for it), then run draft_model again"
+        )
+
+
 def train_draft(
     layout: DataLayout,
     train_keys: Sequence[str],
@@ -404,6 +417,8 @@ def train_draft(
         # the pinned versions' lineage against what this run would extract now: never train on stale states
         current = current_extraction(layout, verifier_path, config)
         lineage.require_current_hidden_states(layout, [*train_keys, val_key], current, dirs, "draft_model training")
+        if config.checked_partitions_only:
+            _require_checked(layout, [*train_keys, val_key], dirs)
         stack.enter_context(torch_threads(config.num_threads))
         meta = partition_meta(layout, [*train_keys, val_key], dirs)
         # online: the extraction side (an embedded server when asked for) lives as long as the run

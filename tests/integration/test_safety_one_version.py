@@ -226,3 +226,51 @@ def test_the_training_fingerprint_is_of_the_vocabulary_bytes_it_loaded(
 
     again = train_draft(layout, keys[:1], keys[1], verifier, two)  # the 128-token mapping: another draft
     assert again.resumed_from_epoch is None and again.draft_vocab_size == 128
+
+
+@pytest.mark.slow
+def test_draft_model_trains_only_on_the_checked_versions_it_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """draft_model chose its partitions by their recorded checks; another process publishes a rebuild of one of
+    them before training pins it. The rebuild is unchecked (its run records its checks after publishing), so the
+    run refuses it, naming the partition, instead of training on it."""
+    from eagle3_assets import lineage, storage
+    from eagle3_assets.defs import draft as draft_module
+    from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
+
+    layout = DataLayout.at(tmp_path / "data")
+    verifier = cached_tiny_verifier()
+    for key in (KEY, "00001"):
+        fabricate_responses(layout, key, 4, seed=int(key) + 1, min_words=10, max_words=20)
+        extract_partition(layout, key, verifier, CONFIG)
+        digest = storage.file_digest(layout.responses_path(key))
+        PartitionLineage("synthetic_responses", key, digest, checks={"responses_complete": True}).save(layout)
+        lineage.record_checks(layout, "hidden_states", key, {"hidden_states_finite": True})
+    real_split = draft_module.split_partitions
+
+    with concurrent_rebuild(layout, 4, tmp_path) as (paused, published):
+
+        def split_then_pause(*args: Any) -> Any:
+            chosen = real_split(*args)
+            pause_here(paused, published)
+            return chosen
+
+        monkeypatch.setattr(draft_module, "split_partitions", split_then_pause)
+        config = {"epochs": 1, "max_steps_per_epoch": 1, "tokens_per_batch": 256, "max_val_batches": 1}
+        result = dg.materialize(
+            [draft_module.draft_model],
+            resources={
+                "data_store": DataStoreResource(data_dir=str(layout.root)),
+                "verifier": VerifierResource(path=str(verifier), layer_ids="1,2,3", device="cpu"),
+            },
+            run_config={"ops": {"draft_model": {"config": config}}},
+            raise_on_error=False,
+        )
+    assert not result.success, "draft_model trained on a version whose checks never ran"
+    (failure,) = result.get_step_failure_events()
+    error = failure.step_failure_data.error
+    assert error is not None
+    message = "\n".join(e.message for e in [error, *([error.cause] if error.cause else [])])
+    assert f"{KEY} (hidden_states checks not recorded)" in message, message
+    assert not (layout.draft_model_dir / "final").exists()
