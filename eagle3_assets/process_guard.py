@@ -10,8 +10,12 @@ Kept apart from ``local/vllm_server.py`` so the server module calls a few functi
 * Launchers: :func:`with_parent_death_signal` wraps any command (torchrun) in a tiny exec wrapper that asks for the
   same signal, so a SIGKILLed Dagster step does not leave training running and its lock held.
 * Ownership: :func:`write_marker` records every server started here (pid, port, model folder, served name) in a
-  per-user folder; :func:`reuse_refusal` accepts a running server only when such a record exists, its pid is alive
-  and still runs vLLM on that port for that model folder, and it serves that name.
+  per-user folder; :func:`reuse_refusal` accepts a running server only when such a record exists, its pid is alive,
+  belongs to the current user (as does the socket listening on the port) and still runs vLLM on that port for that
+  model folder, and it serves that name.
+* Shared hosts: logs, pid files and markers live in :func:`user_dir` (``$TMPDIR/eagle3-vllm-UID``, 0700) or a folder
+  the caller names; :func:`private_dir` and :func:`open_private_file` never follow a symbolic link planted at a
+  folder's or a file's name and refuse a folder another user owns (anyone may create names in ``/tmp``).
 * Keys: :func:`refuse_key_args` rejects ``--api-key`` in extra arguments (visible to every user in ``ps`` and
   written to the server log's command line); the key goes in the server's environment as ``VLLM_API_KEY``.
 """

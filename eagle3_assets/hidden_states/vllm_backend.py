@@ -34,6 +34,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -171,8 +172,6 @@ def lock_holders(fd: int) -> list[str]:
 def _wait_for_writer(lock: Path, timeout_s: float, stopping: threading.Event | None = None) -> None:
     """Wait until the connector releases its write lock (it holds LOCK_EX until the file is written whole), at most
     ``timeout_s`` (then :class:`ExtractionError` naming the holder), or until ``stopping`` is set."""
-    import time
-
     fd = _open_regular(lock)
     if fd is None:
         return
@@ -262,8 +261,6 @@ def sweep_stale_files(storage: Path, older_than_s: float) -> int:
     clients: a client waits at most its request timeout for the answer and reads the file at once, so a file older
     than twice the timeout has no reader left.
     """
-    import time
-
     cutoff = time.time() - older_than_s
     removed = 0
     for entry in storage.glob(f"{CONNECTOR_FILE_PREFIX}*.safetensors*"):

@@ -310,3 +310,38 @@ def test_sigterm_while_the_embedded_server_loads_the_model_stops_the_run_within_
     in_process = dataclasses.replace(pipeline, env={**pipeline.env, "EAGLE3_HIDDEN_STATES_BACKEND": "hf"})
     assert run(in_process, extract, "rerun") == 0, log_text(in_process, "rerun")[-3000:]  # lock and folders free
     assert layout.hidden_states_index_path(key).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigint_while_the_hf_backend_loads_the_verifier_stops_the_run_and_the_rerun_publishes(tmp_path: Path) -> None:
+    import dataclasses
+
+    import dagster as dg
+
+    from eagle3_assets.storage import DataLayout
+    from support.common import python_path
+    from support.hidden_states_data import fabricate_responses
+    from support.signals import log_text, make_pipeline, materialize_command, run, stop_mid_run
+    from support.stubborn_vllm import slow_load_path
+
+    key = "00000"
+    pipeline = make_pipeline(
+        tmp_path, 4, 4, "http://127.0.0.1:9/v1", EAGLE3_VERIFIER_PATH=str(cached_tiny_verifier()),
+        EAGLE3_LAYER_IDS="1,2,3", EAGLE3_HIDDEN_STATES_BACKEND="hf", SLOW_LOAD_S="600",
+        PYTHONPATH=os.pathsep.join([str(slow_load_path(tmp_path)), python_path()]),
+    )  # fmt: skip
+    layout = DataLayout.at(pipeline.data_dir)
+    fabricate_responses(layout, key, 8)
+    with dg.DagsterInstance.from_config(str(pipeline.home)) as instance:
+        instance.add_dynamic_partitions("prompt_partitions", [key])
+    extract = materialize_command("hidden_states", key)
+
+    def loading() -> bool:
+        return "SLOW LOAD started" in log_text(pipeline, "extract")
+
+    stop_mid_run(pipeline, extract, "extract", loading, "the verifier loading", signal.SIGINT, 180)
+    assert not layout.hidden_states_index_path(key).exists()
+    loads_at_once = dataclasses.replace(pipeline, env={k: v for k, v in pipeline.env.items() if k != "SLOW_LOAD_S"})
+    assert run(loads_at_once, extract, "rerun") == 0, log_text(loads_at_once, "rerun")[-3000:]
+    assert layout.hidden_states_index_path(key).exists()

@@ -58,3 +58,45 @@ def helper_pid(log: Path) -> int | None:
     """The pid of the helper the stand-in started (from its log), None before it is written."""
     found = re.search(r"STUBBORN helper (\d+)", log.read_text(errors="replace")) if log.exists() else None
     return int(found.group(1)) if found else None
+
+
+# A ``sitecustomize`` that stalls every transformers model load for $SLOW_LOAD_S seconds (a large verifier read from a
+# slow disk), printing "SLOW LOAD started" first: a signal can then be sent while the model loads.
+SLOW_LOAD = """
+import importlib.abc, importlib.util, os, sys, time
+
+
+class _SlowLoad(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "transformers.modeling_utils":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            load = module.PreTrainedModel.from_pretrained.__func__
+
+            def stalled(cls, *args, **kwargs):
+                print("SLOW LOAD started", flush=True)
+                time.sleep(float(os.environ["SLOW_LOAD_S"]))
+                return load(cls, *args, **kwargs)
+
+            module.PreTrainedModel.from_pretrained = classmethod(stalled)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("SLOW_LOAD_S"):
+    sys.meta_path.insert(0, _SlowLoad())
+"""
+
+
+def slow_load_path(root: Path) -> Path:
+    """A folder holding the stalling ``sitecustomize`` (put it first on a child's PYTHONPATH, set SLOW_LOAD_S)."""
+    folder = root / "slow-load"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SLOW_LOAD)
+    return folder
