@@ -371,8 +371,7 @@ def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path)
     atomic switch (``publish.publish``); returns the partition's folder (its pointer)."""
     from eagle3_assets import publish
 
-    (staging / _STAGING_INPUTS).unlink(missing_ok=True)
-    return publish.publish(layout, partition_key, staging)
+    return publish.publish(layout, partition_key, staging, build_marker=_STAGING_INPUTS)
 
 
 def training_inputs_digest(

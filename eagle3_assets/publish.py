@@ -280,8 +280,11 @@ def _remove_unless_pinned(version: Path) -> bool:
         os.close(fd)
 
 
-def publish(layout: DataLayout, key: str, staging: Path) -> Path:
-    """Make the complete build ``staging`` the partition's current version (the caller holds the partition lock)."""
+def publish(layout: DataLayout, key: str, staging: Path, build_marker: str | None = None) -> Path:
+    """Make the complete build ``staging`` the partition's current version (the caller holds the partition lock).
+
+    ``build_marker``: the file that marks ``staging`` as a build in progress (its resume key); it is removed from the
+    version only after the rename, so a kill anywhere before leaves a build that resumes, not one redone whole."""
     if not is_complete(staging):
         raise PublishError(f"{staging} is not a complete build (no {INDEX_FILE} or {LINEAGE_FILE}); not published")
     for line in recover(layout, key):
@@ -291,6 +294,8 @@ def publish(layout: DataLayout, key: str, staging: Path) -> Path:
     version.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, version)
     fsync_dir(version.parent)
+    if build_marker is not None:
+        (version / build_marker).unlink(missing_ok=True)
     _point(layout, key, version)
     _ensure_index_link(layout, key)
     sweep(layout, key)

@@ -177,7 +177,7 @@ def test_temporary_files_of_a_killed_extraction_are_removed_by_the_next_run(
     sigkill_child_when(script, [str(root), str(verifier), ".token_freq.pt.tmp-", str(marker)], marker.exists, 120)
     folder = layout.asset_dir("hidden_states")
     stale = sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
-    assert [name.split("-")[0] for name in stale] == [f"_staging/{KEY}/.token_freq.pt.tmp"], stale  # the kill's
+    assert [name.split("-")[0] for name in stale] == [f"_versions/{KEY}/_staging/.token_freq.pt.tmp"], stale  # kill's
 
     extract_partition(layout, KEY, verifier, HiddenStatesConfig(layer_ids=LAYERS, batch_tokens=600, **backend))
     _assert_equal_partitions(layout, DataLayout.at(reference), "after a kill during the token_freq write")
