@@ -210,7 +210,7 @@ def _pending_rows(
             if why is None:
                 continue
             reasons[why.split(" (")[0]] += 1
-            path.unlink()
+            path.unlink(missing_ok=True)
         pending.append(r)
     return pending, reasons
 

@@ -146,6 +146,10 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
     from safetensors import safe_open
 
     try:
+        # Opened here first: safetensors reports EACCES as FileNotFoundError and I/O errors as its own error, so
+        # only Python's open tells a read error (which must stop the run) from a bad file (which is redone).
+        with open(path, "rb") as probe:
+            probe.read(8)
         with safe_open(str(path), framework="pt") as handle:
             keys = set(handle.keys())
             if keys != storage_format.file_keys(dtype):

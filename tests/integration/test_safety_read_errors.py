@@ -12,6 +12,7 @@ one file raise the error (Python's ``Path.read_bytes`` and polars' ``read_parque
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -198,3 +199,56 @@ def test_a_corrupt_turn_store_is_archived_and_its_turns_generated_again(
     assert result.ok == N
     (archived,) = (layout.asset_dir("synthetic_responses") / "_corrupt").iterdir()
     assert archived.read_bytes() == b"PAR1 torn"
+
+
+EXTRACT_CHILD = textwrap.dedent(
+    """
+    import sys
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from eagle3_assets.storage import DataLayout
+    from support.hidden_states_data import cached_tiny_verifier
+
+    config = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=96)
+    extract_partition(DataLayout.at(sys.argv[1]), "00000", cached_tiny_verifier(), config, log=print)
+    """
+)
+
+
+@pytest.mark.slow  # three extractions with the tiny verifier
+def test_a_stored_sample_file_that_cannot_be_read_fails_the_extraction_naming_it_and_is_kept(
+    tmp_path: Path, layout: DataLayout
+) -> None:
+    """A rebuild resumes from the published version's sample files (hard links); one that cannot be read (EACCES,
+    for real) fails the run naming it, instead of being deleted and computed again."""
+    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+
+    config = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=96)
+    fabricate_responses(layout, "00000", 8)
+    extract_partition(layout, "00000", cached_tiny_verifier(), config)
+    version = layout.hidden_states_dir("00000").resolve()
+    sample = version / "hidden_states" / "hs_0.safetensors"
+    before = _tree(version)
+    fabricate_responses(layout, "00000", 12)  # the partition grew: a rebuild that reuses the stored samples
+    script = tmp_path / "extract.py"
+    script.write_text(EXTRACT_CHILD)
+    os.chmod(sample, 0o000)
+    try:
+        child = subprocess.run(
+            [sys.executable, str(script), str(layout.root)],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_without_root_file_access if os.geteuid() == 0 else None,
+        )
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # a run that went on deleted it with the old version
+            os.chmod(sample, 0o644)
+    assert child.returncode != 0, f"the extraction went on over an unreadable sample file:\n{child.stdout}"
+    last_line = child.stderr.strip().splitlines()[-1]
+    assert "hs_0.safetensors" in last_line and "Permission denied" in last_line, child.stderr
+    assert layout.hidden_states_dir("00000").resolve() == version and _tree(version) == before
+
+    again = extract_partition(layout, "00000", cached_tiny_verifier(), config)  # readable again: it resumes
+    assert (again.samples, again.samples_with_states) == (12, 12) and again.stored < 12
