@@ -116,6 +116,7 @@ def _extract_within(backend: Any, seconds: float) -> BaseException | None:
     return outcome[0] if outcome else pytest.fail(f"extract still waiting after {seconds:.0f} s")
 
 
+@pytest.mark.slow
 def test_the_wait_for_the_connectors_lock_is_bounded_and_names_the_holder(tmp_path: Path) -> None:
     from eagle3_assets.hidden_states.vllm_backend import ExtractionError
 
