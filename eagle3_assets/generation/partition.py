@@ -30,6 +30,7 @@ from eagle3_assets.generation.run_parts import (
     keep_superseded,
     previous_rows,
     request_model,
+    retire_journal,
     run_async,
     run_journaled,
     space_floor,
@@ -171,7 +172,7 @@ def generate_partition(
         keep_superseded(archive_path, frame, old_archived, stale_previous, contents.stale)
         data_version = storage.file_digest(final_path)
         _write_manifest(layout, partition_key, inputs, prompts, frame.height, data_version, stale_reasons)
-        journal_path.unlink(missing_ok=True)
+        retire_journal(journal_path, contents, corrupt_dir(layout), log)
         result = generation_result(
             partition_key, final_path, frame, stats, len(kept), len(todo), model, time.monotonic() - started, torn
         )

@@ -22,7 +22,7 @@ from eagle3_assets import storage
 from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import FINGERPRINT_COLUMN
-from eagle3_assets.generation.journal import Journal
+from eagle3_assets.generation.journal import Journal, JournalContents
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
 from eagle3_assets.generation.turns import TURN_MARK
@@ -88,7 +88,9 @@ def parquet_corruption(data: bytes) -> str | None:
     return None
 
 
-def archive_corrupt(path: Path, archive_dir: Path, why: str, log: Log) -> Path:
+def archive_corrupt(
+    path: Path, archive_dir: Path, why: str, log: Log, consequence: str = "its rows are generated again"
+) -> Path:
     """Move a file proven corrupt to ``archive_dir`` under a timestamped name (never over another file)."""
     archive_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -102,8 +104,18 @@ def archive_corrupt(path: Path, archive_dir: Path, why: str, log: Log) -> Path:
     storage.fsync_dir(archive_dir)
     path.unlink()
     storage.fsync_dir(path.parent)
-    log(f"{path} is corrupt ({why}); moved to {target}, its rows are generated again")
+    log(f"{path} is corrupt ({why}); moved to {target}, {consequence}")
     return target
+
+
+def retire_journal(journal_path: Path, contents: JournalContents, archive_dir: Path, log: Log) -> None:
+    """Once the partition's files hold every journaled row: remove the journal, or, when it has lines that did not
+    parse (proven corrupt, and what they held cannot be known), archive it instead of deleting them."""
+    if contents.corrupt_lines and journal_path.exists():
+        why = f"{contents.corrupt_lines} unparseable line(s)"
+        archive_corrupt(journal_path, archive_dir, why, log, "its parseable rows are in the partition's files")
+    else:
+        journal_path.unlink(missing_ok=True)
 
 
 def read_finished_parquet(path: Path, archive_dir: Path, log: Log) -> pl.DataFrame | None:

@@ -280,6 +280,7 @@ def generate_all_turns(
         generation_result,
         previous_rows,
         request_model,
+        retire_journal,
         run_async,
         set_aside,
         space_floor,
@@ -339,7 +340,7 @@ def generate_all_turns(
             "prompt_set_digest": prompt_set_digest((p.sample_id, p.messages) for p in prompts),
         }  # fmt: skip
         storage.write_json_atomic(manifest, layout.responses_manifest_path(partition_key))
-        journal_path.unlink(missing_ok=True)
+        retire_journal(journal_path, contents, corrupt_dir(layout), log)
         wall = time.monotonic() - started
         result = generation_result(
             partition_key, final_path, frame, stats, kept, stats.total, model, wall, contents.torn_bytes

@@ -252,3 +252,29 @@ def test_a_stored_sample_file_that_cannot_be_read_fails_the_extraction_naming_it
 
     again = extract_partition(layout, "00000", cached_tiny_verifier(), config)  # readable again: it resumes
     assert (again.samples, again.samples_with_states) == (12, 12) and again.stored < 12
+
+
+def test_a_journal_with_an_unparseable_line_is_archived_not_deleted(
+    layout: DataLayout, server: FakeServerProcess
+) -> None:
+    """A complete journal line that does not parse is proven corrupt: the rest resumes, and the journal is archived
+    in ``_corrupt/`` when the partition is written (it was deleted with that line)."""
+    import orjson
+
+    from support.safety_generation import config, prompts
+
+    generate_partition(prompts(), KEY, layout, config(server.base_url, "last-turn"), log=lambda _m: None)
+    rows = pl.read_parquet(layout.responses_path(KEY)).head(3).to_dicts()
+    layout.responses_path(KEY).unlink()
+    journal = layout.responses_in_progress_path(KEY)
+    content = b"".join(orjson.dumps(row) + b"\n" for row in rows) + b'{"sample_id": "safe-0\x00 damaged\n'
+    journal.write_bytes(content)
+    server.reset_stats()
+
+    result = generate_partition(prompts(), KEY, layout, config(server.base_url, "last-turn"), log=lambda _m: None)
+
+    assert (result.ok, result.resumed, result.requested) == (N, 3, N - 3)
+    assert not journal.exists()
+    (archived,) = (layout.asset_dir("synthetic_responses") / "_corrupt").iterdir()
+    # as it was, with the lines this run appended after it
+    assert archived.name.startswith(f"{KEY}.jsonl.") and archived.read_bytes().startswith(content)
