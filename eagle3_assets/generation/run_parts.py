@@ -1,6 +1,8 @@
 """What one ``synthetic_responses`` partition's run is made of, shared by one-request-per-prompt
 (``partition.py``) and all-turns (``turns.py``): the result, the served model, resume from the final file,
-the journal's fsync loop, the disk-space floor, the superseded archive."""
+the journal's fsync loop, the disk-space floor, the superseded archive (ok rows of other settings or of the other
+EAGLE3_REGENERATE mode), and reading a finished file: a read error fails the run, only a file proven corrupt is
+archived in ``synthetic_responses/_corrupt/``."""
 
 from __future__ import annotations
 

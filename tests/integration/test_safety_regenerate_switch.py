@@ -67,8 +67,8 @@ def _requested(server: FakeServerProcess) -> dict[str, int]:
 
 @pytest.fixture
 def server() -> Iterator[FakeServerProcess]:
-    # ~0.06 s a response at C=4: a mode's run takes ~0.6 s (last-turn) to ~1.2 s (all-turns), the kill comes early
-    with FakeServerProcess(FakeConfig(token_rate=1000, median_tokens=60, sigma=0.3)) as running:
+    # ~0.12 s a response at C=4: a mode's run takes ~1.2 s (last-turn) to ~2.4 s (all-turns), the kill comes early
+    with FakeServerProcess(FakeConfig(token_rate=1000, median_tokens=120, sigma=0.3)) as running:
         yield running
 
 
