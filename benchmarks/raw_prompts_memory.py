@@ -63,6 +63,9 @@ def conversations(seed: int = 0) -> Iterator[dict]:
     def text(index: int, parts: int) -> str:
         return f"[{index}] " + "\n\n".join(rng.choice(paragraphs) for _ in range(parts))
 
+    def rejected(index: int) -> bool:  # never a multiple of DUPLICATE_EVERY: those rows are the duplicates
+        return index % REJECT_EVERY == 1
+
     previous: dict | None = None
     index = 0
     while True:
@@ -76,7 +79,7 @@ def conversations(seed: int = 0) -> Iterator[dict]:
                 {"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": text(index, rng.randint(1, 4))},
                 {"role": "assistant", "content": text(index, rng.randint(1, 6))},
-                {"role": "user", "content": "" if index % REJECT_EVERY == 0 else text(index, rng.randint(1, 3))},
+                {"role": "user", "content": "" if rejected(index) else text(index, rng.randint(1, 3))},
                 {"role": "assistant", "content": text(index, rng.randint(1, 4))},
             ],
         }
@@ -130,8 +133,8 @@ def write_dataset(kind: str, folder: Path, size_bytes: int, seed: int = 0) -> tu
 def measure(dataset: Path, data_dir: Path, partition_size: int = 1000, timeout_s: float | None = None) -> dict:
     """Materialize ``raw_prompts`` over ``dataset`` into ``data_dir`` in a child process (this file's ``--child``
     mode); what it measured: peak_mb, baseline_mb (resident before the materialization, its libraries imported),
-    seconds, rows_read,
-    rows, rejects, duplicates, rows_per_s, mb_per_s, success."""
+    seconds, cpu_s, rows_read, rows (in the table), rejects, duplicates, rows_per_s, rows_per_cpu_s, mb_per_s,
+    success."""
     command = [sys.executable, __file__, "--child", str(dataset), str(data_dir), str(partition_size)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
@@ -153,10 +156,10 @@ def _child(dataset: Path, data_dir: Path, partition_size: int) -> None:
         "prompt_dataset": PromptDatasetResource(path=str(dataset), partition_size=partition_size),
     }
     baseline = memory_mb("VmRSS")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([raw_prompts], instance=instance, resources=resources, raise_on_error=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     metadata = result.asset_materializations_for_node("raw_prompts")[0].metadata if result.success else {}
 
     def value(key: str) -> int:
@@ -170,6 +173,8 @@ def _child(dataset: Path, data_dir: Path, partition_size: int) -> None:
                 "peak_mb": round(memory_mb("VmHWM"), 1),
                 "baseline_mb": round(baseline, 1),
                 "seconds": round(seconds, 2),
+                "cpu_s": round(cpu_seconds, 2),  # on a shared machine, rows per CPU second say more than per second
+                "rows_per_cpu_s": round(rows_read / cpu_seconds),
                 "rows_read": rows_read,
                 "rows": value("dagster/row_count"),
                 "rejects": value("rejects"),
@@ -212,7 +217,7 @@ def main() -> None:
                 shutil.rmtree(root / f"data-{kind}", ignore_errors=True)
             print(
                 json.dumps(
-                    {"format": kind, "file_gb": round(file_gb, 2), "rows": rows, "write_s": round(written_s)} | out
+                    {"format": kind, "file_gb": round(file_gb, 2), "file_rows": rows, "write_s": round(written_s)} | out
                 ),
                 flush=True,
             )

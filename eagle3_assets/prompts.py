@@ -12,6 +12,10 @@ kept as history. A row never crashes the loader: it is accepted, rejected with i
 its record number) and a reason, or dropped as an exact duplicate of an earlier row (counted and reported). A
 JSON array that is cut off or malformed stops the load (``prompt_files.DatasetCutError``) unless its complete
 records are taken on purpose (``truncated="keep-complete"``).
+
+Any size streams (:class:`DatasetScan`, :func:`build_prompt_table`): memory holds one row (a row longer than
+``prompt_files.max_row_bytes`` is rejected unread), one batch of the table being written, and per sample its id,
+line, content digest and prompt length (~260 bytes; a re-run adds the previous table's ids and positions, ~170).
 """
 
 from __future__ import annotations

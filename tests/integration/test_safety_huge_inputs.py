@@ -48,7 +48,6 @@ def test_peak_memory_does_not_grow_with_the_dataset(tmp_path: Path, kind: str) -
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["jsonl", "json"])
 def test_an_oversized_row_is_rejected_without_being_read_whole(tmp_path: Path, kind: str) -> None:
     good = [json.dumps({"id": f"g{i}", "prompt": f"good question {i}"}) for i in range(40)]
