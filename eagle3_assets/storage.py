@@ -9,6 +9,8 @@ Every file a stage writes goes through this module. Layout under the data direct
     synthetic_responses/_in_progress/{key}.jsonl   append-only log of a partition being generated
     synthetic_responses/_manifests/{key}.json      lineage: the request settings every row answers, digests
     synthetic_responses/_superseded/{key}.parquet  ok rows of earlier settings, reused if those come back
+    synthetic_responses/_turns/{key}.parquet       all-turns regeneration: every regenerated turn (generation/turns.py)
+    synthetic_responses/_corrupt/{name}.{time}-{pid}-{n}   a file proven corrupt (bad magic, footer), set aside
     {asset}/_lineage/{key}.json            data version, inputs and check outcomes of a partition (lineage.py)
     hidden_states/_versions/{key}/{version}/   one complete build: speculators' offline layout, index.parquet
                                            (per-sample index) and lineage.json; see publish.py
@@ -93,6 +95,15 @@ class DataLayout:
 
     def responses_manifest_path(self, partition_key: str) -> Path:
         return self.asset_dir("synthetic_responses") / "_manifests" / f"{check_partition_key(partition_key)}.json"
+
+    def responses_turns_path(self, partition_key: str) -> Path:
+        """The all-turns store: every regenerated turn of the partition's conversations (generation/turns.py)."""
+        return self.asset_dir("synthetic_responses") / "_turns" / f"{check_partition_key(partition_key)}.parquet"
+
+    @property
+    def responses_corrupt_dir(self) -> Path:
+        """Files of synthetic_responses proven corrupt, kept under a timestamped name, never overwritten."""
+        return self.asset_dir("synthetic_responses") / "_corrupt"
 
     def responses_superseded_path(self, partition_key: str) -> Path:
         return self.asset_dir("synthetic_responses") / "_superseded" / f"{check_partition_key(partition_key)}.parquet"

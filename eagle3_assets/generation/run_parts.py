@@ -73,11 +73,8 @@ class GenerationResult:
 
 
 PARQUET_MAGIC = b"PAR1"
-CORRUPT_DIR = "_corrupt"  # under synthetic_responses/: files proven corrupt, kept by name and time, never overwritten
-
-
 def corrupt_dir(layout: DataLayout) -> Path:
-    return layout.asset_dir("synthetic_responses") / CORRUPT_DIR
+    return layout.responses_corrupt_dir
 
 
 def parquet_corruption(data: bytes) -> str | None:

@@ -214,7 +214,7 @@ def _bare_failed(conv: Conversation, partition_key: str, error: str) -> Record:
 
 
 def turns_store_path(layout: DataLayout, partition_key: str) -> Path:
-    return layout.asset_dir("synthetic_responses") / "_turns" / f"{partition_key}.parquet"
+    return layout.responses_turns_path(partition_key)
 
 
 def _read_store(
