@@ -90,6 +90,14 @@ REAL_ASSET_CONFIG: dict[str, dict[str, object]] = {
 RECIPE_POINT = {"samples": 2000, "epochs": 4, "humaneval_acceptance": 1.72, "speed_up": 1.18}
 
 
+def real_precision() -> str:
+    """``EAGLE3_PRECISION`` of ``demo --real``: ``auto`` (bfloat16) where a GPU is visible, else the faster one of
+    this CPU (``precision.fastest_cpu_precision``)."""
+    import torch
+
+    return "auto" if torch.cuda.is_available() else fastest_cpu_precision()
+
+
 def _print_table(rows: list[tuple[str, str, float]]) -> None:
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'stage'.ljust(width)}  {'partitions':>10}  {'seconds':>8}")
@@ -226,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eagle3_assets.defs.registry import env_value
 
-    # bf16 compute where this CPU has it: hidden states and training ~2.6x faster, the demo's time goes to data
-    real_env = {**REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(args.samples), "EAGLE3_PRECISION": fastest_cpu_precision()}
+    # bf16 compute where this CPU has it: hidden states and training ~2.6x faster, the demo's time goes to data; on
+    # a GPU `auto` (bf16 there)
+    real_env = {**REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(args.samples), "EAGLE3_PRECISION": real_precision()}
     for key, value in (real_env if args.real else DEMO_ENV).items():
         os.environ.setdefault(key, value)
     data_dir = Path(env_value("EAGLE3_DATA_DIR")).resolve()
@@ -277,6 +286,7 @@ def _setup(
     verifier: Path, data_dir: Path, port: int, say: Callable[[str], None], real: bool = False
 ) -> tuple[list, Any]:
     """The verifier (the tiny one, or SmolLM2 with ``real``; built once) and the local vLLM serving it."""
+    from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     timings: list[tuple[str, str, float]] = []
@@ -296,7 +306,11 @@ def _setup(
     from eagle3_assets.local.reasoning import describe
 
     # the real model: prompts up to EAGLE3_MAX_PROMPT_CHARS plus a 256-token answer fit 2,048 tokens
-    sizing = {"max_model_len": 2048, "kv_cache_gib": 2} if real else {}
+    sizing: dict[str, Any] = {"max_model_len": 2048, "kv_cache_gib": 2} if real else {}
+    # the CUDA vLLM: bf16, and a share of the GPU so that draft_evaluation's servers start beside this one
+    build = accelerator.vllm_build()
+    sizing["dtype"] = accelerator.server_dtype(build)
+    sizing["extra_args"] = accelerator.server_memory_args(build, sizing.get("kv_cache_gib", 1))
     # EAGLE3_REASONING_PARSER (auto: the tokenizer decides; SmolLM2 has no think block, the tiny verifier has one)
     parser = env_value("EAGLE3_REASONING_PARSER")
     say(f"vLLM: {describe(parser, verifier)}")

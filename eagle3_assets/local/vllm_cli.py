@@ -94,6 +94,7 @@ def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
         startup_timeout_s=args.startup_timeout,
         log_dir=log_dir,
         python=Path(args.python) if args.python else None,
+        kv_cache_gib=args.kv_cache_gib,
     )
     storage.mkdir(parents=True, exist_ok=True)
     print(f"hidden-states extraction: layer ids {layer_ids} + {shape.num_layers}, files under {storage}", flush=True)
