@@ -5,25 +5,47 @@ state and the metric history. A re-run resumes after the newest whole checkpoint
 model shape, hyper-parameters except ``epochs`` and the process count) matches, so raising ``epochs`` continues a
 finished run and a run may resume with another number of processes (the state is replicated, not sharded).
 ``final/`` is the draft in speculators' format, renamed into place whole.
+
+A read error is not corruption (issue 31): a checkpoint that cannot be read (EIO, EACCES, a stale NFS handle,
+MemoryError) fails the run naming it and keeps every checkpoint, instead of resuming from an older one and writing over
+it. Only a checkpoint its bytes prove corrupt (not a whole zip archive, a record whose CRC-32 does not match) is set
+aside, moved to ``checkpoints/_corrupt/`` under a timestamped name, and training resumes from the next older one. A
+write that fails (a full or read-only disk) names the file being written, never its temporary, and keeps what is
+already there: the earlier checkpoints, and the published ``final/``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import io
+import itertools
 import json
 import os
 import random
+import re
 import shutil
-from collections.abc import Sequence
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import atomic_path, ensure_free_space, replace_dir_atomic
+from eagle3_assets.storage import (
+    DiskSpaceError,
+    atomic_path,
+    ensure_free_space,
+    fsync_dir,
+    replace_dir_atomic,
+    write_json_atomic,
+)
 from eagle3_assets.training.config import TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 HISTORY_FILE = "training_history.json"
+CORRUPT_DIR = "_corrupt"  # under checkpoints/: checkpoints proven corrupt, kept by name and time, never overwritten
 # Loaded again from the verifier when the model is rebuilt: not worth a copy in every checkpoint.
 VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
@@ -53,15 +75,107 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(ckpt_dir.glob("epoch_*.pt"))
 
 
-def load_latest_checkpoint(ckpt_dir: Path, expected: str, notes: list[str]) -> dict[str, Any] | None:
+def checkpoint_corruption(data: bytes) -> str | None:
+    """Why ``data`` cannot be a whole checkpoint, None when it is sound.
+
+    A checkpoint is a zip archive (torch.save's format) whose records carry a CRC-32: torch.load alone does not
+    compare them, so a flipped bit in the weights would load without a word. Parsed from memory, a failure here is
+    about the bytes alone, never about the disk they came from.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for record in archive.infolist():
+                if not record.CRC:  # saved without checksums (torch.serialization.set_crc32_options(False))
+                    continue
+                with archive.open(record) as member:  # zipfile compares the CRC-32 at the end of the record
+                    while member.read(1 << 24):
+                        pass
+    except MemoryError:
+        raise
+    except Exception as error:  # parsed from memory: whatever zipfile raises, the bytes are not an archive
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def archive_corrupt_checkpoint(path: Path, why: str) -> Path:
+    """Move a checkpoint proven corrupt to ``checkpoints/_corrupt/`` under a timestamped name (never over another
+    file), so a later save of the same epoch cannot write over it and its bytes stay for a post-mortem."""
+    archive_dir = path.parent / CORRUPT_DIR
+    archive_dir.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for attempt in itertools.count():
+        target = archive_dir / f"{path.name}.{stamp}-{os.getpid()}-{attempt}"
+        try:
+            os.link(path, target)  # fails when the name exists: an earlier archive is never replaced
+        except FileExistsError:
+            continue
+        break
+    fsync_dir(archive_dir)
+    path.unlink()
+    fsync_dir(path.parent)
+    return target
+
+
+def _read_checkpoint(path: Path) -> bytes | None:
+    """The checkpoint's bytes; None when it is gone since it was listed (another rank archived it).
+
+    Read here, apart from parsing, so that a read error keeps its errno and is never taken for corruption.
+    """
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise type(error)(
+            error.errno,
+            f"cannot read the checkpoint {path} ({error.strerror}); every checkpoint is kept and training did not "
+            "start: fix the disk, mount or permissions and run draft_model again (it resumes from this checkpoint)",
+            str(path),
+        ) from error
+    except MemoryError as error:
+        raise MemoryError(
+            f"out of memory reading the checkpoint {path}; every checkpoint is kept: free memory and run again"
+        ) from error
+
+
+def load_latest_checkpoint(
+    ckpt_dir: Path, expected: str, notes: list[str], archive: bool = True
+) -> dict[str, Any] | None:
+    """The newest whole checkpoint's state; None when there is none or the newest was made for other settings.
+
+    A checkpoint proven corrupt is skipped with a note and, when ``archive`` (one rank of a multi-process run does
+    it), moved to ``_corrupt/``. A read error, a MemoryError, or a whole checkpoint that this environment cannot load
+    fails the run naming the file: resuming from an older checkpoint would write over the newer one.
+    """
     import torch
 
     for path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as error:
-            notes.append(f"skipped unreadable checkpoint {path.name}: {type(error).__name__}")
+        data = _read_checkpoint(path)
+        if data is None:
             continue
+        why = checkpoint_corruption(data)
+        if why is not None:
+            if archive:
+                moved = archive_corrupt_checkpoint(path, why)
+                notes.append(f"{path} is corrupt ({why}); moved to {moved}, resuming from an older checkpoint")
+            else:
+                notes.append(f"{path} is corrupt ({why}); skipped, resuming from an older checkpoint")
+            continue
+        try:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except MemoryError as error:
+            raise MemoryError(
+                f"out of memory loading the checkpoint {path}; every checkpoint is kept: free memory and run again"
+            ) from error
+        except Exception as error:
+            # every record's checksum matched: the file is whole, this environment cannot load it (another torch or
+            # numpy version). Not corruption: skipping it would let this run write over it.
+            raise RuntimeError(
+                f"cannot load the checkpoint {path} ({type(error).__name__}: {error}); its checksums match, so it "
+                "is whole and every checkpoint is kept: run draft_model with the torch and numpy versions that "
+                f"wrote it, or move {path} aside to resume from an older checkpoint"
+            ) from error
+        del data
         if state.get("fingerprint") != expected:
             notes.append(f"ignored checkpoint {path.name}: made for different data or settings; starting fresh")
             return None
@@ -85,6 +199,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+# How writers in Rust (safetensors) report an OS error in their own exception: "... (os error 28)".
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_errno(error: BaseException) -> int | None:
+    if isinstance(error, OSError):
+        return error.errno
+    match = _OS_ERROR_IN_TEXT.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+@contextlib.contextmanager
+def named_write_errors(path: Path, what: str) -> Iterator[None]:
+    """An OS error while writing ``what`` (a full or read-only disk, EIO) names ``path``, the file or folder being
+    written rather than its temporary, and says what is kept and how to go on; a full disk stays a DiskSpaceError."""
+    try:
+        yield
+    except Exception as error:
+        code = _os_errno(error)
+        if code is None:
+            raise
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        message = (
+            f"cannot write {what} {path} ({reason}); nothing already written is lost (the earlier checkpoints, "
+            f"the published final/): free space on or make writable the disk of {path.parent}, then run "
+            "draft_model again: it resumes after the newest whole checkpoint"
+        )
+        kind = DiskSpaceError if code in (errno.ENOSPC, errno.EDQUOT) else OSError  # OSError(code): its subclass
+        raise kind(code, message, str(path)) from error
+
+
 def save_final(model: Any, final_dir: Path, dtype: str) -> None:
     import copy
 
@@ -93,8 +238,19 @@ def save_final(model: Any, final_dir: Path, dtype: str) -> None:
     tmp = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     to_save = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
-    to_save.save_pretrained(str(tmp))
-    replace_dir_atomic(tmp, final_dir)  # the old final/ moved aside, the new one renamed in, the old one removed
+    try:
+        with named_write_errors(final_dir, "the final draft"):
+            to_save.save_pretrained(str(tmp))
+            replace_dir_atomic(tmp, final_dir)  # the old final/ moved aside, the new one renamed in, the old removed
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written draft holds the space the re-run needs
+        raise
+
+
+def save_history(record: dict[str, Any], out_dir: Path) -> None:
+    path = out_dir / HISTORY_FILE
+    with named_write_errors(path, "the training history"):
+        write_json_atomic(record, path)
 
 
 def save_checkpoint(
@@ -109,8 +265,6 @@ def save_checkpoint(
 ) -> None:
     """The trainable weights, optimizer, scheduler and RNG state and the history after ``epoch``, written atomically;
     only the newest ``keep_checkpoints`` are kept. Called on rank 0 only (every rank holds the same state)."""
-    import io
-
     import torch
 
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in VERIFIER_OWNED}
@@ -127,8 +281,9 @@ def save_checkpoint(
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = ckpt_dir / f"epoch_{epoch:04d}.pt"
-    ensure_free_space(ckpt_dir, len(data), "draft_model checkpoint")
-    with atomic_path(path, needed_bytes=len(data)) as tmp:
-        tmp.write_bytes(data)
+    with named_write_errors(path, "the checkpoint"):
+        ensure_free_space(path, len(data), "draft_model checkpoint")
+        with atomic_path(path, needed_bytes=len(data)) as tmp:
+            tmp.write_bytes(data)
     for old in list_checkpoints(ckpt_dir)[: -config.keep_checkpoints]:
         old.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from eagle3_assets import lineage
 from eagle3_assets.precision import resolve_precision
 from eagle3_assets.settings import redact_url_credentials
-from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps, write_json_atomic
+from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.config import TrainConfig, TrainResult
 from eagle3_assets.training.data import make_loader, to_device
@@ -228,7 +228,7 @@ def _prepare(
 
 def _resume_or_baseline(run: _Run, ckpt_dir: Path) -> int | None:
     """Load the newest matching checkpoint (returns its epoch), or measure the untrained draft (returns None)."""
-    state = ckpt.load_latest_checkpoint(ckpt_dir, run.fingerprint, run.notes)
+    state = ckpt.load_latest_checkpoint(ckpt_dir, run.fingerprint, run.notes, archive=run.ranks.main)
     if state is not None:
         missing, unexpected = run.core.load_state_dict(state["model"], strict=False)
         if unexpected or set(missing) - set(ckpt.VERIFIER_OWNED):
@@ -438,7 +438,7 @@ def train_draft(
             # the extraction servers' URLs may hold a password (EAGLE3_HIDDEN_STATES_URL): never in a stored file
             shown = {**asdict(config), "online_urls": [redact_url_credentials(url) for url in config.online_urls]}
             record = {**run.history, "config": shown, "fingerprint": run.fingerprint, "notes": run.notes}
-            write_json_atomic(record, out_dir / ckpt.HISTORY_FILE)
+            ckpt.save_history(record, out_dir)
         ranks.barrier()
     return _result(run, resumed_from, timing, started, final_dir, ckpt_dir, verifier_path, meta, train_keys, val_key)
 
