@@ -272,6 +272,7 @@ FORWARDED = {
     "serve-local": ("eagle3_assets.local.vllm_cli", "run the embedded CPU vLLM server"),
     "demo": ("eagle3_assets.demo", "materialize the whole pipeline on the sample data"),
     "evaluate": ("eagle3_assets.cli.evaluate", "evaluate a draft model against vLLM (acceptance per position)"),
+    "plan": ("eagle3_assets.cli.plan", "predict a run before it starts: tokens, stage times, hidden-state bytes, disk"),
 }
 
 
