@@ -275,3 +275,15 @@ def test_a_previous_run_s_responses_give_the_completion_length(tmp_path: Path) -
     completion = planning.responses_completion(tmp_path)
     assert completion.mean_tokens == 200.0 and not completion.upper_bound
     assert completion.source == f"measured: 3 ok responses in {folder}"
+
+
+def test_the_model_shape_comes_from_its_config(tmp_path: Path) -> None:
+    config = {"text_config": {"hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 163840}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = planning.model_shape(tmp_path)
+    assert (shape.hidden_size, shape.num_layers, shape.vocab_size, shape.layer_ids) == (7168, 61, 163840, (2, 30, 58))
+    assert shape.source == str(tmp_path / "config.json")
+    stated = planning.model_shape(tmp_path / "config.json", hidden_size=4096, layer_ids=[1, 2, 3])
+    assert stated.hidden_size == 4096 and stated.n_states == 4 and stated.source.endswith("(with stated values)")
+    with pytest.raises(planning.PlanError, match="hidden_size and num_hidden_layers are unknown"):
+        planning.model_shape(None)
