@@ -21,7 +21,8 @@ stage is the project's own code, as ``learning_curve.py`` runs it:
    the mean of the repeats, its interval their lowest and highest.
 
 Peak GPU memory is what ``nvidia-smi`` reports used on the GPU while the stage runs (every process: the servers
-too), sampled every 0.2 s. ``--quick`` is the same with fewer samples and one epoch.
+too), sampled every 0.2 s. ``--quick`` is the same with fewer samples, one epoch and vLLM servers without CUDA
+graphs (faster start-ups, a less faithful batch-1 speed-up).
 
 The dry path (``--dry``, what ``gpu_check.sh --real`` runs under ``ACCEL=cpu``, and ``tests/integration/
 test_gpu_check_dry.py`` in ``make test``): the tiny verifier on the CPU, the fake vLLM (``benchmarks/fake_vllm.py``)
@@ -154,24 +155,24 @@ def free_gpu_cache() -> None:
 # --- servers: the CUDA vLLM on the GPU path, the fakes on the dry path --------------------------------------------
 
 
-def serving_args(kv_cache_gib: int) -> dict[str, Any]:
-    """dtype and memory of a server on this vLLM build (bf16 and a share of the GPU on CUDA); CUDA graphs on
-    (batch-1 speed is the point), eager on the CPU (start-up)."""
+def serving_args(kv_cache_gib: int, eager: bool) -> dict[str, Any]:
+    """dtype and memory of a server on this vLLM build (bf16 and a share of the GPU on CUDA); CUDA graphs on unless
+    ``eager`` (``--quick``: start-up over batch-1 fidelity), always eager on the CPU (start-up)."""
     from eagle3_assets.local import accelerator
 
     build = accelerator.vllm_build()
     return {
         "dtype": accelerator.server_dtype(build),
         "kv_cache_gib": kv_cache_gib,
-        "enforce_eager": build != accelerator.CUDA,
+        "enforce_eager": eager or build != accelerator.CUDA,
         "extra_args": accelerator.server_memory_args(build, kv_cache_gib),
     }
 
 
-def start_plain_server(verifier: Path, log_dir: Path, concurrency: int) -> Any:
+def start_plain_server(verifier: Path, log_dir: Path, concurrency: int, eager: bool) -> Any:
     from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
 
-    args = serving_args(kv_cache_gib=8)
+    args = serving_args(kv_cache_gib=8, eager=eager)
     args["extra_args"] = [*args["extra_args"], "--max-num-seqs", str(concurrency)]
     config = VLLMServerConfig(
         model=verifier, served_model_name="verifier", port=find_free_port(), max_model_len=2048,
@@ -180,11 +181,11 @@ def start_plain_server(verifier: Path, log_dir: Path, concurrency: int) -> Any:
     return LocalVLLMServer(config).start()
 
 
-def start_draft_server(verifier: Path, draft: Path, log_dir: Path) -> Any:
+def start_draft_server(verifier: Path, draft: Path, log_dir: Path, eager: bool) -> Any:
     from eagle3_assets.evaluation.online import PER_REQUEST_METRICS_ARGS
     from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
 
-    args = serving_args(kv_cache_gib=4)
+    args = serving_args(kv_cache_gib=4, eager=eager)
     args["extra_args"] = [*args["extra_args"], *PER_REQUEST_METRICS_ARGS]
     spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": K}
     config = VLLMServerConfig(
@@ -270,7 +271,7 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
     from eagle3_assets.evaluation.prompt_sets import HUMANEVAL, humaneval_prompts
 
     prompts = {HUMANEVAL: humaneval_prompts(args.humaneval)}
-    server = start_draft_server(verifier, draft, args.data / "_logs")
+    server = start_draft_server(verifier, draft, args.data / "_logs", eager=args.quick)
     try:
         config = OnlineConfig(
             k=K, prompts=0, humaneval_prompts=args.humaneval, prompt_sets=(HUMANEVAL,), max_tokens=128,
@@ -322,7 +323,9 @@ def run(args: Any) -> Report:
         else:
             from eagle3_assets.local.real_verifier import build_real_verifier
 
-            verifier = args.verifier or args.data / "_models" / "smollm2-135m-instruct"
+            # where `eagle3 build-verifier` puts it: built once (~20 s on the CPU), reused by later runs
+            default = Path(os.environ.get("EAGLE3_DATA_DIR") or REPO / "data") / "_models" / "smollm2-135m-instruct"
+            verifier = args.verifier or default
             build_real_verifier(verifier, say=lambda _m: None)
             row.note = "SmolLM2-135M-Instruct"
 
@@ -341,7 +344,7 @@ def run(args: Any) -> Report:
                 plain = servers.enter_context(fake_generation_server())
                 row.note = "fake vLLM"
             else:
-                plain = start_plain_server(verifier, args.data / "_logs", args.concurrency)
+                plain = start_plain_server(verifier, args.data / "_logs", args.concurrency, eager=args.quick)
                 servers.callback(plain.stop)
         with stage(report, "generate") as row:
             generate(args, layout, plain.base_url, sets, row)
@@ -456,10 +459,14 @@ def table(report: Report) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples, one epoch (< 3 minutes on one H100)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer samples, one epoch, vLLM without CUDA graphs (sized for < 3 min)"
+    )
     parser.add_argument("--dry", action="store_true", help="the CPU dry path: tiny verifier, fake servers")
     parser.add_argument("--data", type=Path, help="working folder (default: a temporary one, deleted after)")
-    parser.add_argument("--verifier", type=Path, help="SmolLM2 folder (default: built under --data)")
+    parser.add_argument(
+        "--verifier", type=Path, help="SmolLM2 folder (default: $EAGLE3_DATA_DIR/_models/smollm2-135m-instruct, built)"
+    )
     parser.add_argument("--samples", type=int)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--concurrency", type=int, default=256)

@@ -53,3 +53,78 @@ def test_gpu_check_real_dry_path(tmp_path: Path) -> None:
     assert "| generate |" in table and "| 2,544 | 195 |" in table
     assert "docs/measurements/learning_curve_2000x4_b91113d.jsonl" in table
     assert "online: not in the dry path" in table
+
+
+def test_gpu_path_servers_get_bf16_a_share_of_the_gpu_and_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpu_check_real
+
+    from eagle3_assets.local import accelerator, vllm_server
+
+    configs = []
+
+    class Recorded:
+        def __init__(self, config: vllm_server.VLLMServerConfig) -> None:
+            configs.append(config)
+
+        def start(self) -> Recorded:
+            return self
+
+    monkeypatch.setattr(vllm_server, "LocalVLLMServer", Recorded)
+    monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CUDA)
+    gpu_check_real.start_plain_server(Path("/models/smollm2"), Path("/tmp"), 256, eager=False)
+    gpu_check_real.start_draft_server(Path("/models/smollm2"), Path("/drafts/d"), Path("/tmp"), eager=True)
+    plain, draft = (c.command(Path("python")) for c in configs)
+    for command in (plain, draft):
+        assert command[command.index("--dtype") + 1] == "bfloat16"
+        assert command[command.index("--gpu-memory-utilization") + 1] == str(accelerator.GPU_SHARE)
+    assert "--enforce-eager" not in plain and "--enforce-eager" in draft  # --quick: eager start-ups
+    spec = json.loads(draft[draft.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": "/drafts/d", "num_speculative_tokens": 3}
+    assert "--per-request-spec-decode-metrics" in draft
+
+
+def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import types
+
+    import gpu_check_real
+
+    from eagle3_assets.evaluation import online as online_module
+    from eagle3_assets.evaluation.report import AcceptanceStats
+
+    class Server:
+        base_url = "http://127.0.0.1:2/v1"
+
+        def stop(self) -> None:
+            pass
+
+    rates = iter([(100.0, 120.0), (100.0, 150.0), (80.0, 80.0)])  # (plain, draft) tokens/s per repeat
+
+    def evaluate(verifier, drafts, prompt_sets, config, log=None):
+        assert config.plain_url == "http://127.0.0.1:1/v1" and config.draft_url == Server.base_url
+        assert config.speed_prompts == 8 and config.k == 3
+        plain, draft = next(rates)
+        stats = AcceptanceStats(
+            label="trained", method="online", k=3, drafts=10, draft_tokens=30, accepted_tokens=8,
+            accepted_per_position=[5, 2, 1], output_tokens=int(draft * 10), seconds=10.0, prompt_set="humaneval",
+        )  # fmt: skip
+        speed = types.SimpleNamespace(output_tokens=int(plain * 10), seconds=10.0)  # the batch-1 run, plain
+        return types.SimpleNamespace(
+            stats=[stats], baseline={"humaneval": types.SimpleNamespace(speed=speed)},
+            mismatches={"humaneval": {"trained": []}},
+        )  # fmt: skip
+
+    monkeypatch.setattr(online_module, "evaluate_online", evaluate)
+    monkeypatch.setattr(gpu_check_real, "start_draft_server", lambda *a, **k: Server())
+    args = types.SimpleNamespace(data=tmp_path, humaneval=164, speed_prompts=8, repeats=3, quick=False)
+    report = gpu_check_real.Report(mode="full", device="H100")
+    row = gpu_check_real.Row("online", 0.0)
+    gpu_check_real.online(args, Path("/v"), Path("/d"), "http://127.0.0.1:1/v1", report, row)
+    mean, low, high = report.results["speed_up"]
+    assert (round(mean, 3), low, high) == (round((1.2 + 1.5 + 1.0) / 3, 3), 1.0, 1.5)
+    assert report.results["online_humaneval"] == pytest.approx(1 + 8 / 10)
+    row.seconds = 30.0
+    assert "| batch-1 speed-up (mean; lowest..highest of the repeats) | 1.23 (1.00..1.50)" in gpu_check_real.table(
+        report
+    )
