@@ -227,22 +227,29 @@ def acceptance_stats(
 
 
 def local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | None) -> Any:
+    """A vLLM server on the verifier (with ``draft``, at k): float32 on the CPU build of vLLM; bfloat16 and a share of
+    the GPU on the CUDA build (``local/accelerator.py``), beside the demo's own server, as the plain verifier."""
+    from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
 
     spec = None
     if draft is not None:
         spec = {"method": "eagle3", "model": str(Path(draft).resolve()), "num_speculative_tokens": config.k}
+    build = accelerator.vllm_build(config.python)
+    kv_cache_gib = VLLMServerConfig.kv_cache_gib
+    extra_args = PER_REQUEST_METRICS_ARGS if draft is not None else ()
     return LocalVLLMServer(
         VLLMServerConfig(
             model=verifier,
             served_model_name=name,
             port=find_free_port(),
             python=config.python,
+            dtype=accelerator.server_dtype(build),
             max_model_len=config.max_model_len,
             reasoning_parser=config.reasoning_parser,
             speculative_config=spec,
             log_dir=config.log_dir,
-            extra_args=PER_REQUEST_METRICS_ARGS if draft is not None else (),
+            extra_args=(*extra_args, *accelerator.server_memory_args(build, kv_cache_gib)),
         )
     )
 

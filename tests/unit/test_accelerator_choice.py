@@ -170,3 +170,17 @@ def test_demo_server_on_the_cuda_vllm_gets_bf16_and_a_share_of_the_gpu(
     cuda, cpu = started
     assert cuda["dtype"] == "bfloat16" and "--gpu-memory-utilization" in cuda["extra_args"]
     assert cpu["dtype"] == "float32" and cpu["extra_args"] == []  # what VLLMServerConfig gave it before
+
+
+def test_evaluation_servers_follow_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eagle3_assets.evaluation.online import PER_REQUEST_METRICS_ARGS, OnlineConfig, local_server
+    from eagle3_assets.local import vllm_server
+
+    monkeypatch.setattr(vllm_server, "LocalVLLMServer", lambda config: config)
+    monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CUDA)
+    draft = local_server(Path("/models/v"), OnlineConfig(), "v", Path("/drafts/d"))
+    assert draft.dtype == "bfloat16" and draft.extra_args[: len(PER_REQUEST_METRICS_ARGS)] == PER_REQUEST_METRICS_ARGS
+    assert "--gpu-memory-utilization" in draft.extra_args  # beside the demo's plain server on the same GPU
+    monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CPU)
+    plain, draft = (local_server(Path("/models/v"), OnlineConfig(), "v", d) for d in (None, Path("/drafts/d")))
+    assert (plain.dtype, plain.extra_args, draft.extra_args) == ("float32", (), PER_REQUEST_METRICS_ARGS)
