@@ -221,12 +221,16 @@ def named_write_errors(path: Path, what: str) -> Iterator[None]:
         if code is None:
             raise
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        disk_full = code in (errno.ENOSPC, errno.EDQUOT)
+        remedy = {errno.EROFS: f"make {path.parent} writable (remount its disk read-write)"}.get(
+            code, f"free space on the disk of {path.parent}" if disk_full else "fix the disk, mount or permissions"
+        )
         message = (
             f"cannot write {what} {path} ({reason}); nothing already written is lost (the earlier checkpoints, "
-            f"the published final/): free space on or make writable the disk of {path.parent}, then run "
-            "draft_model again: it resumes after the newest whole checkpoint"
+            f"the published final/): {remedy}, then run draft_model again: it resumes after the newest whole "
+            "checkpoint"
         )
-        kind = DiskSpaceError if code in (errno.ENOSPC, errno.EDQUOT) else OSError  # OSError(code): its subclass
+        kind = DiskSpaceError if disk_full else OSError  # OSError(code, ...) is already its subclass (EACCES: ...)
         raise kind(code, message, str(path)) from error
 
 
