@@ -167,13 +167,16 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
 
     from eagle3_assets.generation import GenerationConfig, generate_partition
     from eagle3_assets.generation.records import PromptToGenerate
+    from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     server = None
     if not args.base_url:
+        build = accelerator.vllm_build()  # the CUDA vLLM: bf16 and a share of the GPU (local/accelerator.py)
         server = LocalVLLMServer(
-            model=args.verifier, served_model_name="verifier", max_model_len=2048,
-            kv_cache_gib=2, log_dir=args.data / "_logs", extra_args=["--max-num-seqs", str(args.concurrency)],
+            model=args.verifier, served_model_name="verifier", max_model_len=2048, kv_cache_gib=2,
+            dtype=accelerator.server_dtype(build), log_dir=args.data / "_logs",
+            extra_args=["--max-num-seqs", str(args.concurrency), *accelerator.server_memory_args(build, 2)],
         )  # fmt: skip
     with server or nullcontext():
         url = server.base_url if server else args.base_url
