@@ -50,7 +50,7 @@ def _checkout(tmp_path: Path, gpu: bool) -> tuple[Path, dict[str, str]]:
     else:  # a driver without a GPU: nvidia-smi runs and lists none
         (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "No devices were found"\nexit 6\n')
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("ACCEL", "MAKEFLAGS", "MAKELEVEL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCEL", "PYTHON", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return tmp_path, env
 
