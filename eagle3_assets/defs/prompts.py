@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from eagle3_assets import plots, prompt_files, prompts
+from eagle3_assets import plots, prompt_files, prompt_table
 from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
@@ -23,7 +23,7 @@ def raw_prompts(
     context: dg.AssetExecutionContext, data_store: DataStoreResource, prompt_dataset: PromptDatasetResource
 ) -> dg.MaterializeResult:
     layout = data_store.layout
-    result = prompts.build_prompt_table(
+    result = prompt_table.build_prompt_table(
         prompt_dataset.path,
         layout,
         prompt_dataset.partition_size,

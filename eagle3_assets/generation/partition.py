@@ -21,7 +21,7 @@ from eagle3_assets.generation.fingerprint import (
     prompt_set_digest,
     stale_reason,
 )
-from eagle3_assets.generation.journal import Journal, merge_records, read_journal
+from eagle3_assets.generation.journal import Journal, JournalContents, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.run_parts import (
     GenerationResult,
@@ -142,12 +142,8 @@ def generate_partition(
         archive_path = layout.responses_superseded_path(partition_key)
         archived, old_archived = previous_rows(archive_path, wanted, current, log, corrupt_dir(layout))
         previous = merge_records(archived, previous)
-        contents = read_journal(journal_path, current)
+        contents = _read_journal_saying_what_was_dropped(journal_path, current, log)
         torn = contents.torn_bytes
-        if torn:
-            log(f"dropped a torn last line ({torn} bytes) from {journal_path.name}, left by an interrupted run")
-        if contents.corrupt_lines:
-            log(f"skipped {contents.corrupt_lines} unparseable line(s) in {journal_path.name}")
         known = merge_records(previous, _filtered(contents.records, wanted))
         kept = {sid for sid, record in known.items() if record.get("status") == STATUS_OK}
         stale_reasons = _stale_reasons(prompts, set(known), fingerprints, stale_previous, contents.stale)
@@ -183,6 +179,18 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _read_journal_saying_what_was_dropped(
+    journal_path: Path, current: Callable[[Mapping[str, Any]], bool], log: Log
+) -> JournalContents:
+    contents = read_journal(journal_path, current)
+    if contents.torn_bytes:
+        torn = contents.torn_bytes
+        log(f"dropped a torn last line ({torn} bytes) from {journal_path.name}, left by an interrupted run")
+    if contents.corrupt_lines:
+        log(f"skipped {contents.corrupt_lines} unparseable line(s) in {journal_path.name}")
+    return contents
 
 
 def _unique_ids(ids: Sequence[str], partition_key: str) -> set[str]:

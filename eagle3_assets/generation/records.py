@@ -13,6 +13,8 @@ from typing import Any
 import polars as pl
 
 STATUS_OK = "ok"
+# the suffix of a turn row's sample id in all-turns regeneration: "{sample_id}#turn{k}" (generation/turns.py)
+TURN_MARK = "#turn"
 STATUS_FAILED = "failed"
 
 MESSAGE_DTYPE = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))

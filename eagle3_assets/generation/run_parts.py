@@ -25,9 +25,8 @@ from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import FINGERPRINT_COLUMN
 from eagle3_assets.generation.journal import Journal, JournalContents
-from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
+from eagle3_assets.generation.records import STATUS_OK, TURN_MARK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
-from eagle3_assets.generation.turns import TURN_MARK
 from eagle3_assets.interrupts import run_interruptible
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
@@ -73,6 +72,8 @@ class GenerationResult:
 
 
 PARQUET_MAGIC = b"PAR1"
+
+
 def corrupt_dir(layout: DataLayout) -> Path:
     return layout.responses_corrupt_dir
 

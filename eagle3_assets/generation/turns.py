@@ -40,7 +40,13 @@ from eagle3_assets.generation.fingerprint import (
     request_fingerprint,
 )
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
-from eagle3_assets.generation.records import STATUS_FAILED, STATUS_OK, PromptToGenerate, normalize_messages
+from eagle3_assets.generation.records import (
+    STATUS_FAILED,
+    STATUS_OK,
+    TURN_MARK,
+    PromptToGenerate,
+    normalize_messages,
+)
 from eagle3_assets.generation.records import rows_to_frame as _frame
 from eagle3_assets.generation.transport import close_all, make_transports
 from eagle3_assets.storage import DataLayout
@@ -48,7 +54,6 @@ from eagle3_assets.storage import DataLayout
 Log = Callable[[str], None]
 Record = dict[str, Any]
 
-TURN_MARK = "#turn"
 # vLLM's refusals of a prompt longer than the model's context (wording differs between versions)
 _CONTEXT_ERROR = re.compile(r"context length|maximum model length|max_model_len", re.IGNORECASE)
 

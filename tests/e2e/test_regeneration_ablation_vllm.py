@@ -21,7 +21,7 @@ def test_three_variants_measured_online(vllm_server, tiny_model_dir: Path, tmp_p
     from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.generation import GenerationConfig
     from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.prompts import build_prompt_table
+    from eagle3_assets.prompt_table import build_prompt_table
     from eagle3_assets.training import TrainConfig
     from support.common import write_jsonl
 

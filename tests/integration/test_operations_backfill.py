@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import cli, prompts
+from eagle3_assets import cli, prompt_table
 from eagle3_assets.operations import backfill
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
@@ -33,7 +33,7 @@ def test_plan_and_launch_cover_only_missing_and_failed(tmp_path: Path, monkeypat
     dataset = write_prompts(tmp_path, 20)
     with dg.DagsterInstance.get() as instance:
         # 4 partitions: 00000 and 00002 recorded as materialized, 00001 failed in a real run, 00003 never run.
-        prompts.build_prompt_table(dataset, layout, partition_size=5)
+        prompt_table.build_prompt_table(dataset, layout, partition_size=5)
         instance.add_dynamic_partitions("prompt_partitions", ["00000", "00001", "00002", "00003"])
         for key in ("00000", "00002"):
             instance.report_runless_asset_event(dg.AssetMaterialization("synthetic_responses", partition=key))

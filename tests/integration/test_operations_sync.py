@@ -9,7 +9,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import cli, prompts
+from eagle3_assets import cli, prompt_table
 from eagle3_assets.generation.records import rows_to_frame
 from eagle3_assets.operations import backfill, status
 from eagle3_assets.operations.sync import SYNC_TAG, sync
@@ -47,7 +47,7 @@ def on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DataLayout:
     monkeypatch.setenv("DAGSTER_HOME", str(make_dagster_home(tmp_path)))
     layout = DataLayout.at(tmp_path / "data")
     monkeypatch.setenv("EAGLE3_DATA_DIR", str(layout.root))
-    prompts.build_prompt_table(write_prompts(tmp_path, 20), layout, partition_size=4)
+    prompt_table.build_prompt_table(write_prompts(tmp_path, 20), layout, partition_size=4)
     ids = pl.read_parquet(layout.prompts_path).group_by("partition_key").agg("sample_id")
     by_key = {row["partition_key"]: sorted(row["sample_id"]) for row in ids.iter_rows(named=True)}
     write_responses(layout, "00000", by_key["00000"])

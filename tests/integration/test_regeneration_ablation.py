@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig, ablation_folder, run_ablation
 from eagle3_assets.generation import GenerationConfig
-from eagle3_assets.prompts import build_prompt_table, dataset_turns_path
+from eagle3_assets.prompt_table import build_prompt_table, dataset_turns_path
 from eagle3_assets.settings import ConfigError
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, get_json, post_json, serve_in_thread

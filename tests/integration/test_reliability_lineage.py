@@ -14,7 +14,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import prompts, storage
+from eagle3_assets import prompt_table, storage
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.fingerprint import (
     FINGERPRINT_COLUMN,
@@ -140,7 +140,7 @@ def test_prompts_appended_to_a_half_full_partition_are_reported_and_planned(
     from eagle3_assets.operations import backfill, status
 
     dataset = _dataset(tmp_path / "prompts.jsonl", 15)
-    prompts.build_prompt_table(dataset, layout, partition_size=10)  # 00000 full, 00001 half full
+    prompt_table.build_prompt_table(dataset, layout, partition_size=10)  # 00000 full, 00001 half full
     instance.add_dynamic_partitions("prompt_partitions", ["00000", "00001"])
     for key in ("00000", "00001"):
         generate_partition(partition_prompts(layout, key), key, layout, config(server.base_url), log=lambda _m: None)
@@ -148,7 +148,7 @@ def test_prompts_appended_to_a_half_full_partition_are_reported_and_planned(
     assert backfill.plan_missing(instance, downstream=False, layout=layout).targets["synthetic_responses"] == []
 
     _dataset(dataset, 18)  # three prompts appended: they land in the half-full 00001, no new partition key
-    table = prompts.build_prompt_table(dataset, layout, partition_size=10)
+    table = prompt_table.build_prompt_table(dataset, layout, partition_size=10)
     assert table.partition_keys == ["00000", "00001"]
 
     plan = backfill.plan_missing(instance, downstream=False, layout=layout)
@@ -171,12 +171,12 @@ def test_sync_does_not_record_a_partition_whose_prompts_were_edited(
     from eagle3_assets.operations.sync import validate_responses
 
     dataset = write_jsonl(tmp_path / "p.jsonl", [{"id": f"s{i}", "prompt": f"q {i}"} for i in range(5)])
-    prompts.build_prompt_table(dataset, layout, partition_size=10)
+    prompt_table.build_prompt_table(dataset, layout, partition_size=10)
     generate_partition(partition_prompts(layout, KEY), KEY, layout, config(server.base_url), log=lambda _m: None)
     ids = [p.sample_id for p in partition_prompts(layout, KEY)]
     assert validate_responses(layout, KEY, ids).valid
     write_jsonl(dataset, [{"id": f"s{i}", "prompt": "edited" if i == 2 else f"q {i}"} for i in range(5)])
-    prompts.build_prompt_table(dataset, layout, partition_size=10)
+    prompt_table.build_prompt_table(dataset, layout, partition_size=10)
     verdict = validate_responses(layout, KEY, ids)  # same ids: an id-only comparison accepted it
     assert not verdict.valid and "1 edited" in verdict.reason
 
@@ -185,12 +185,12 @@ def test_partition_size_change_is_refused_while_a_partition_exists_only_as_a_jou
     tmp_path: Path, layout: DataLayout
 ) -> None:
     dataset = _dataset(tmp_path / "prompts.jsonl", 15)
-    prompts.build_prompt_table(dataset, layout, partition_size=10)
+    prompt_table.build_prompt_table(dataset, layout, partition_size=10)
     journal = layout.responses_in_progress_path("00000")
     journal.parent.mkdir(parents=True)
     journal.write_text(json.dumps({"sample_id": "s0", "status": "ok"}) + "\n")  # generation under way, no Parquet
     with pytest.raises(ConfigError, match=r"EAGLE3_PARTITION_SIZE=5: .* partitioned with 10 .* 00000"):
-        prompts.build_prompt_table(dataset, layout, partition_size=5)
+        prompt_table.build_prompt_table(dataset, layout, partition_size=5)
     assert pl.read_parquet(layout.prompts_path)["partition_key"].max() == "00001"  # nothing re-keyed
 
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from eagle3_assets import prompt_files
 from eagle3_assets.prompt_files import DatasetCutError, JsonArrayRows, resolve_dataset_path
-from eagle3_assets.prompts import build_prompt_table, load_prompts, reason_kind
+from eagle3_assets.prompt_table import build_prompt_table, reason_kind
+from eagle3_assets.prompts import load_prompts
 from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT
 

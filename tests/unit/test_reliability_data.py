@@ -13,7 +13,8 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3_assets.prompts import build_prompt_table, load_prompts
+from eagle3_assets.prompt_table import build_prompt_table
+from eagle3_assets.prompts import load_prompts
 from eagle3_assets.storage import DataLayout
 
 # JSON values of every type, nested a little

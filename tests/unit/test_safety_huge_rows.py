@@ -12,7 +12,8 @@ import pytest
 
 from eagle3_assets import prompt_files
 from eagle3_assets.prompt_files import DatasetCutError, JsonArrayRows
-from eagle3_assets.prompts import build_prompt_table, load_prompts
+from eagle3_assets.prompt_table import build_prompt_table
+from eagle3_assets.prompts import load_prompts
 from eagle3_assets.storage import DataLayout
 
 LIMIT = 120  # bytes: small, so that an oversized row costs nothing to write
