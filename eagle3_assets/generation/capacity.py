@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.bounded_http import PAGE_LIMIT_BYTES
 from eagle3_assets.generation.config import GenerationConfig, display_url
 from eagle3_assets.generation.endpoints import Endpoint
 
@@ -335,12 +336,20 @@ class CapacityMonitor:
         endpoint.cap = server.update(endpoint.outstanding, load, first)
 
     async def _fetch(self, url: str) -> tuple[int, str] | None:
+        from eagle3_assets.generation.transport import _read_body
+
         try:
+            # the whole poll, every byte of the page included, within its deadline and PAGE_LIMIT_BYTES: a page that
+            # trickles or never ends is no reading, not a stalled poller or a run out of memory
             async with asyncio.timeout(self.config.connect_timeout_s):
                 headers = {"Authorization": auth} if (auth := self.config.authorization(url)) else None
-                async with self._client().get(self._urls[url], headers=headers) as response:
-                    return response.status, (await response.text()) if response.status == 200 else ""
-        except Exception:  # timeout, refused, reset: no information this round
+                get = self._client().get(self._urls[url], headers=headers, read_bufsize=PAGE_LIMIT_BYTES)
+                async with get as response:
+                    if response.status != 200:
+                        return response.status, ""
+                    page = await _read_body(response, PAGE_LIMIT_BYTES)
+                    return 200, page.decode("utf-8", errors="replace")
+        except Exception:  # timeout, refused, reset, too large: no information this round
             return None
 
     def _client(self) -> Any:

@@ -3,16 +3,23 @@
 API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/metrics`` or ``/health``) when its
 process has ``VLLM_API_KEY`` in its environment or an ``--api-key`` argument. The key is never logged or put in an
 error message.
+
+Every body is read within a size limit and a whole-request deadline (:func:`eagle3_assets.bounded_http.read_capped`):
+urllib's timeout bounds each socket operation, so a server that answers 200 and trickles the body, or never ends it,
+would otherwise hold the caller forever or fill its memory.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+
+from eagle3_assets.bounded_http import read_capped
 
 API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
 
@@ -20,7 +27,8 @@ API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
 def probe_models(
     base_url: str, timeout_s: float, api_key: str | None, *, authorization: str | None = None
 ) -> tuple[list[str] | None, int | None]:
-    """(model ids or None, HTTP status or None when nothing answered) of ``GET {base_url}/models``.
+    """(model ids or None, HTTP status or None when nothing answered, or no whole body within ``timeout_s`` or
+    the size limit) of ``GET {base_url}/models``.
 
     ``authorization``: a whole Authorization header value (e.g. from credentials that were in a URL), instead of
     ``api_key`` as a bearer. ``base_url`` must carry no credentials (urllib would misread ``user:pw@host``).
@@ -30,12 +38,13 @@ def probe_models(
     if header:
         # Unredirected: a redirect to another host never carries the key along.
         request.add_unredirected_header("Authorization", header)
+    deadline = time.monotonic() + timeout_s
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status = int(response.status)
             if status != 200:
                 return None, status
-            payload = json.loads(response.read().decode("utf-8"))
+            payload = json.loads(read_capped(response, "GET /models", deadline).decode("utf-8"))
     except urllib.error.HTTPError as error:
         error.close()
         return None, int(error.code)
@@ -65,10 +74,12 @@ def unauthorized_message(base_url: str, api_key: str | None) -> str:
 
 
 def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:
-    """The server's Prometheus text (``/metrics`` lives beside ``/v1``, not under it)."""
+    """The server's Prometheus text (``/metrics`` lives beside ``/v1``, not under it), whole within ``timeout_s``
+    (else TimeoutError) and the size limit (else :class:`~eagle3_assets.bounded_http.ReplyTooLarge`)."""
     root = base_url.rstrip("/").removesuffix("/v1")
+    deadline = time.monotonic() + timeout_s
     with urllib.request.urlopen(f"{root}/metrics", timeout=timeout_s) as response:
-        return response.read().decode("utf-8")
+        return read_capped(response, "GET /metrics", deadline).decode("utf-8")
 
 
 def metric_total(base_url_or_text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
