@@ -14,6 +14,12 @@ Per prompt set and server, two batches: the *acceptance* batch, every prompt of 
 (acceptance does not depend on the batch, so the fastest concurrency is used), and the *speed* batch, the first
 ``speed_prompts`` one at a time: speculative decoding pays off when decoding is latency-bound, and one sequence at a
 time makes tokens/s comparable between runs. The speed-up is the speed batch's tokens/s over the plain verifier's.
+
+Each request is bounded in time (the whole request, every byte of the reply, within ``request_timeout_s``: a server
+or proxy that trickles a body stays under any per-read timeout) and in size (the reply limit of ``max_tokens``,
+:func:`eagle3_assets.generation.replies.reply_limit`). A request that fails (that way, or any other) is counted as
+failed (``failed`` in its stats) and in no acceptance, speed or mismatch; a batch whose every request failed stops
+the evaluation naming the server and the error.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ class Generation:
     completion_tokens: int
     finish_reason: str | None
     speculative: dict[str, Any] | None = None  # the response's metrics.speculative_decoding, if any
+    error: str | None = None  # why the request failed (no reply to count); None: it succeeded
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass
@@ -57,6 +68,10 @@ class GenerationRun:
     @property
     def output_tokens(self) -> int:
         return sum(g.completion_tokens for g in self.generations)
+
+    @property
+    def failures(self) -> list[Generation]:
+        return [g for g in self.generations if g.failed]
 
 
 @dataclass
@@ -123,26 +138,46 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     """
     import openai
 
+    from eagle3_assets.bounded_http import capped_openai_http_client
+    from eagle3_assets.generation.replies import reply_limit
     from eagle3_assets.interrupts import run_interruptible
 
     # vLLM without --api-key accepts any key; the openai client insists on one
     api_key = config.api_key or "no-key"
+    # the replies are plain (not streamed) chat completions of at most max_tokens, with their token ids
+    limit = reply_limit(config.max_tokens, stream=False, extra_sampling={})
+    deadline_s = config.request_timeout_s
 
     async def run_all() -> list[Generation]:
         import asyncio
 
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=config.request_timeout_s, max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=deadline_s,
+            max_retries=0,
+            http_client=capped_openai_http_client(lambda request: limit.bytes_for(request.content)),
+        )
         gate = asyncio.Semaphore(max(1, config.concurrency))
 
         async def one(prompt: Prompt) -> Generation:
             async with gate:
-                response = await client.chat.completions.create(
-                    model=model,
-                    messages=prompt.messages,  # type: ignore[arg-type]
-                    temperature=0,
-                    max_tokens=config.max_tokens,
-                    extra_body={"return_token_ids": True},
-                )
+                deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
+                try:
+                    async with deadline:
+                        response = await client.chat.completions.create(
+                            model=model,
+                            messages=prompt.messages,  # type: ignore[arg-type]
+                            temperature=0,
+                            max_tokens=config.max_tokens,
+                            extra_body={"return_token_ids": True},
+                        )
+                except Exception as error:  # not a cancellation (a stop request): CancelledError is no Exception
+                    if deadline.expired():
+                        return _failed(
+                            prompt, f"timeout: the reply did not end within the request timeout of {deadline_s:g} s"
+                        )
+                    return _failed(prompt, _failure_text(error))
             return _generation(prompt, response)
 
         try:
@@ -153,6 +188,19 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     started = time.perf_counter()
     generations = run_interruptible(run_all())
     return GenerationRun(generations, time.perf_counter() - started)
+
+
+def _failed(prompt: Prompt, why: str) -> Generation:
+    return Generation(
+        sample_id=prompt.sample_id, token_ids=None, text="", completion_tokens=0, finish_reason=None, error=why
+    )
+
+
+def _failure_text(error: Exception) -> str:
+    """The SDK's error with its cause (its connection error says only "Connection error.")."""
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None else text
 
 
 def _generation(prompt: Prompt, response: Any) -> Generation:
@@ -174,9 +222,12 @@ def _generation(prompt: Prompt, response: Any) -> Generation:
 
 
 def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> list[str]:
-    """Sample ids whose greedy output differs (token ids when both have them, else the text)."""
+    """Sample ids whose greedy output differs (token ids when both have them, else the text); a prompt whose request
+    failed on either side has no output to compare (it is counted as failed instead)."""
     bad = []
     for a, b in zip(reference, other, strict=True):
+        if a.failed or b.failed:
+            continue
         same = a.token_ids == b.token_ids if a.token_ids is not None and b.token_ids is not None else a.text == b.text
         if not same:
             bad.append(a.sample_id)
@@ -186,14 +237,21 @@ def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> 
 def measure(
     base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
 ) -> GenerationRun:
-    """Generate and count acceptance from these responses; a draft server must report it per request."""
+    """Generate and count acceptance from these responses; a draft server must report it per request. Failed
+    requests count nowhere but in ``failures``; a batch with no successful request stops the evaluation."""
     run = generate(base_url, model, prompts, config)
+    answered = [g for g in run.generations if not g.failed]
+    if run.generations and not answered:
+        raise RuntimeError(
+            f"{display_url(base_url)}: every one of the {len(run.generations)} evaluation requests failed; the first: "
+            f"{run.generations[0].error}"
+        )
     if speculative:
-        without = [g.sample_id for g in run.generations if g.speculative is None]
+        without = [g.sample_id for g in answered if g.speculative is None]
         if without:
             raise RuntimeError(
                 f"{display_url(base_url)} returned no per-request speculative metrics (metrics.speculative_decoding) "
-                f"for {len(without)} of {len(run.generations)} requests: start that vLLM with "
+                f"for {len(without)} of {len(answered)} requests: start that vLLM with "
                 f"{' '.join(PER_REQUEST_METRICS_ARGS)}, or leave its URL empty so the evaluation starts its own "
                 "server (server-wide /metrics counters are not used: other clients move them)"
             )
@@ -222,6 +280,8 @@ def acceptance_stats(
             "prompts": len(run.generations),
             "speed_prompts": len(speed.generations) if speed is not None else len(run.generations),
             "truncated": sum(1 for g in run.generations if g.finish_reason == "length"),
+            # requests that got no reply (a timeout, an oversized body, an error): in no count above
+            "failed": len(run.failures) + (len(speed.failures) if speed is not None else 0),
         },
     )
 
@@ -266,6 +326,10 @@ class SetRun:
     def generations(self) -> list[Generation]:
         return self.acceptance.generations + (self.speed.generations if self.speed is not None else [])
 
+    @property
+    def failures(self) -> list[Generation]:
+        return [g for g in self.generations if g.failed]
+
 
 def measure_set(
     base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
@@ -309,7 +373,12 @@ def evaluate_online(
             out = {}
             for set_name, prompts in prompt_sets.items():
                 say(f"online [{label}] {set_name}: {len(prompts)} prompts, {config.concurrency} at a time")
-                out[set_name] = measure_set(base_url, name, prompts, config, speculative=draft is not None)
+                out[set_name] = run = measure_set(base_url, name, prompts, config, speculative=draft is not None)
+                if failures := run.failures:
+                    say(
+                        f"online [{label}] {set_name}: {len(failures)} of {len(run.generations)} requests failed, "
+                        f"counted in no acceptance, speed or mismatch; the first: {failures[0].error}"
+                    )
             return out
 
         if url is not None:
