@@ -20,6 +20,11 @@ it writes the ``hf`` backend's, so the on-disk layout, resuming and kill-safety 
 
 With no server URL, :func:`start_embedded_server` starts the local CPU vLLM in extraction mode on the verifier
 folder, and the backend stops it on ``close()``.
+
+Each request is bounded in time (the whole request, every byte of the reply, within ``timeout_s``: a server or
+proxy that trickles the body stays under any per-read timeout; retried as an outage) and its reply in size (the
+honest one is a small JSON naming a file, echoing the prompt's ids: a body past the limit of a one-token reply
+is retried, never benches the server, so a body that never ends cannot fill this process's memory).
 """
 
 from __future__ import annotations
@@ -361,8 +366,10 @@ class VLLMBackend:
     def _connect(self, urls: list[str]) -> tuple[Any, dict[str, Any], str]:
         import openai
 
+        from eagle3_assets.bounded_http import capped_openai_http_client
         from eagle3_assets.generation.config import display_url, split_credentials
         from eagle3_assets.generation.endpoints import EndpointPool
+        from eagle3_assets.generation.replies import reply_limit
         from eagle3_assets.local.vllm_probe import probe_models
 
         # credentials inside a URL become its Authorization header; the URL itself is used (and shown) without them
@@ -383,6 +390,9 @@ class VLLMBackend:
         pool = EndpointPool(urls, cap=self.options.concurrency, bench_s=self.options.bench_s, log=self._say)
         self._names = {url: display_url(url) for url in urls}
 
+        # a one-token completion echoing the prompt's ids (and the connector's file name)
+        limit = reply_limit(1, stream=False, extra_sampling={})
+
         async def make_clients() -> dict[str, Any]:
             # max_retries=0: retries go through the pool, which can move a sample to another server
             return {
@@ -391,6 +401,7 @@ class VLLMBackend:
                     api_key=self.options.api_key or "EMPTY",
                     max_retries=0,
                     default_headers={"Authorization": auth[url]} if auth[url] else None,
+                    http_client=capped_openai_http_client(lambda request: limit.bytes_for(request.content)),
                 )
                 for url in urls
             }
@@ -493,19 +504,25 @@ class VLLMBackend:
         the run), an outage (:class:`_Outage`: retried, benches the server) or another status (:class:`_Retry`)."""
         import openai
 
+        from eagle3_assets.bounded_http import ReplyTooLarge
         from eagle3_assets.speculators_adapter import hidden_states_client
 
         client = hidden_states_client()
         where = self._names[url]
         try:
-            path, _params = await client.generate_hidden_states_async(
-                self._clients[url], self._model, {"input_ids": ids}, timeout=self.options.timeout_s, max_retries=0
-            )
+            # the whole request within timeout_s here, whatever speculators' client bounds (the SDK's timeout is per
+            # read): a trickled reply ends as a timeout, an outage like a silent server
+            async with asyncio.timeout(self.options.timeout_s):
+                path, _params = await client.generate_hidden_states_async(
+                    self._clients[url], self._model, {"input_ids": ids}, timeout=self.options.timeout_s, max_retries=0
+                )
             local = local_file(path, self._storage)
             states = await self._read_local(local, ids)
             return states.to(self.store_dtype)
         except ExtractionStopped:
             raise
+        except ReplyTooLarge as error:  # the server answered, with a body that never ends: retried, never benched
+            raise _Retry() from error
         except (client.InvalidResponseError, ExtractionError, openai.APIResponseValidationError) as error:
             # the server answered, with something unusable: another attempt or server would not help
             raise ExtractionError(f"{where}: a {len(ids)}-token sample: {error}", index) from error
@@ -522,7 +539,10 @@ class VLLMBackend:
             if error.status_code >= 500:
                 raise _Outage() from error
             raise _Retry() from error  # 404, 408, 429...: the server is up; retried, never benched
-        except (openai.APIError, TimeoutError, OSError) as error:  # refused, reset, timed out
+        except TimeoutError:  # silent, or trickling a body: a timeout of the whole request
+            timeout = self.options.timeout_s
+            raise _Outage() from TimeoutError(f"the reply did not end within the request timeout of {timeout:g} s")
+        except (openai.APIError, OSError) as error:  # refused, reset, timed out per read
             raise _Outage() from error
 
     async def _read_local(self, local: Path, ids: list[int]) -> torch.Tensor:
