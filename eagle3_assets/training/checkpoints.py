@@ -75,6 +75,23 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(ckpt_dir.glob("epoch_*.pt"))
 
 
+def _resume_candidates(ckpt_dir: Path) -> list[Path]:
+    """The checkpoints, oldest first; a folder that cannot be listed fails naming it (a glob sees an unreadable
+    folder as empty: the run would start over and write its checkpoints over the ones it could not see)."""
+    try:
+        os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        raise type(error)(
+            error.errno,
+            f"cannot list the checkpoints in {ckpt_dir} ({error.strerror}); every checkpoint is kept and training "
+            "did not start: fix the disk, mount or permissions and run draft_model again",
+            str(ckpt_dir),
+        ) from error
+    return list_checkpoints(ckpt_dir)
+
+
 def checkpoint_corruption(data: bytes) -> str | None:
     """Why ``data`` cannot be a whole checkpoint, None when it is sound.
 
@@ -149,7 +166,7 @@ def load_latest_checkpoint(
     """
     import torch
 
-    for path in reversed(list_checkpoints(ckpt_dir)):
+    for path in reversed(_resume_candidates(ckpt_dir)):
         data = _read_checkpoint(path)
         if data is None:
             continue
