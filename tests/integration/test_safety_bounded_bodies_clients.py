@@ -4,7 +4,8 @@ A server or proxy that answers 200 and then never ends the body fails that reque
 or the machine's memory, for every other HTTP client of the project:
 
 - the online evaluation's requests (``evaluation.online.generate``, the openai SDK): a trickled body fails by the
-  request timeout, an endless one at the reply limit of ``max_tokens``; each failed request is counted as failed;
+  request timeout, an endless one at the reply limit of ``max_tokens``; each failed request is counted as failed
+  (in the set's stats, in no acceptance or speed), and a batch with none answered stops the evaluation naming why;
 - the ``vllm`` hidden-states backend (the openai SDK through speculators): either fails the request, retried per
   the backend's policy (a timeout as an outage, an oversized body as a retry that never benches the server), then
   the sample fails naming why;
@@ -145,3 +146,29 @@ def test_an_endless_body_fails_at_its_size_limit_in_bounded_memory(
     assert report["peak_mb"] - report["baseline_mb"] < GROWTH_LIMIT_MB, report
     assert report["wall_s"] < WALL_LIMIT_S.get(client, TIMEOUT_S + SLACK_S), report
     _assert_failed(client, report, ENDLESS_WHY[client])
+
+
+# ------------------------------------------------------------------------------------ the evaluation's accounting
+
+
+def test_the_evaluation_counts_failed_requests_and_stops_when_none_is_answered() -> None:
+    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, acceptance_stats, measure
+
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"question {i}"}]) for i in range(8)]
+    config = OnlineConfig(concurrency=len(prompts), request_timeout_s=TIMEOUT_S, max_tokens=16, speed_prompts=0)
+    # half the requests (as the fake's seed draws them) get a body that never ends, the others an honest reply
+    fake = FakeConfig(faults={"endless": 0.5}, hang_s=NEVER_ENDING_S, token_rate=5000, median_tokens=16)
+    with FakeServerProcess(fake) as server:
+        run = measure(server.base_url, "fake-model", prompts, config)
+        endless = server.stats()["outcomes"].get("endless", 0)
+    assert 0 < endless < len(prompts), endless
+    stats = acceptance_stats("plain", config.k, run)
+    # before: the first failed request ended the whole evaluation
+    assert stats.extra["failed"] == len(run.failures) == endless and stats.extra["prompts"] == len(prompts)
+    assert stats.output_tokens == sum(g.completion_tokens for g in run.generations if not g.failed) > 0
+
+    with (
+        FakeServerProcess(FakeConfig(faults={"endless": 1.0}, hang_s=NEVER_ENDING_S)) as server,
+        pytest.raises(RuntimeError, match=f"every one of the {len(prompts)} evaluation requests failed; the first: "),
+    ):
+        measure(server.base_url, "fake-model", prompts, config)
