@@ -20,13 +20,11 @@ import contextlib
 import errno
 import hashlib
 import io
-import itertools
 import json
 import os
 import random
 import re
 import shutil
-import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,7 +34,6 @@ from eagle3_assets.storage import (
     DiskSpaceError,
     atomic_path,
     ensure_free_space,
-    fsync_dir,
     replace_dir_atomic,
     write_json_atomic,
 )
@@ -114,25 +111,6 @@ def checkpoint_corruption(data: bytes) -> str | None:
     return None
 
 
-def archive_corrupt_checkpoint(path: Path, why: str) -> Path:
-    """Move a checkpoint proven corrupt to ``checkpoints/_corrupt/`` under a timestamped name (never over another
-    file), so a later save of the same epoch cannot write over it and its bytes stay for a post-mortem."""
-    archive_dir = path.parent / CORRUPT_DIR
-    archive_dir.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    for attempt in itertools.count():
-        target = archive_dir / f"{path.name}.{stamp}-{os.getpid()}-{attempt}"
-        try:
-            os.link(path, target)  # fails when the name exists: an earlier archive is never replaced
-        except FileExistsError:
-            continue
-        break
-    fsync_dir(archive_dir)
-    path.unlink()
-    fsync_dir(path.parent)
-    return target
-
-
 def _read_checkpoint(path: Path) -> bytes | None:
     """The checkpoint's bytes; None when it is gone since it was listed (another rank archived it).
 
@@ -166,15 +144,18 @@ def load_latest_checkpoint(
     """
     import torch
 
+    from eagle3_assets.generation.run_parts import archive_corrupt
+
     for path in reversed(_resume_candidates(ckpt_dir)):
         data = _read_checkpoint(path)
         if data is None:
             continue
         why = checkpoint_corruption(data)
         if why is not None:
+            # under a timestamped name, never over another file: a later save of this epoch cannot write over it,
+            # and its bytes stay for a post-mortem
             if archive:
-                moved = archive_corrupt_checkpoint(path, why)
-                notes.append(f"{path} is corrupt ({why}); moved to {moved}, resuming from an older checkpoint")
+                archive_corrupt(path, path.parent / CORRUPT_DIR, why, notes.append, "resuming from an older checkpoint")
             else:
                 notes.append(f"{path} is corrupt ({why}); skipped, resuming from an older checkpoint")
             continue
