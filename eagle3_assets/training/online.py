@@ -225,7 +225,7 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
         # A request the client gave up on (a retry after a timeout, a loader worker stopped mid-batch) is aborted in
         # the server, and the connector leaves the .lock it made when the request arrived (the file too, if it was
         # written). Nobody reads this folder once its server is down, so what is left is removed, not swept later.
-        from eagle3_assets.hidden_states.vllm_backend import sweep_stale_files
+        from eagle3_assets.hidden_states.connector_files import sweep_stale_files
 
         sweep_stale_files(storage, older_than_s=0.0)
 

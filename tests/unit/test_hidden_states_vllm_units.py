@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets import settings
-from eagle3_assets.hidden_states.vllm_backend import (
+from eagle3_assets.hidden_states.connector_files import (
     ExtractionError,
     local_file,
     read_connector_file,

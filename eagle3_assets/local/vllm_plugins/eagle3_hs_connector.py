@@ -39,7 +39,7 @@ class _CompletedEvent:
 
 
 # Every file this connector writes is named ``eagle3-hs-<request id>.safetensors`` (the stock connector: ``<request
-# id>.safetensors``), so the client's sweep of stale files (hidden_states/vllm_backend.py CONNECTOR_FILE_PREFIX,
+# id>.safetensors``), so the client's sweep of stale files (hidden_states/connector_files.py CONNECTOR_FILE_PREFIX,
 # spelled again here: this module imports nothing from eagle3_assets) touches nothing else in the folder.
 FILE_PREFIX = "eagle3-hs-"
 
