@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
-from collections.abc import Collection, Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,6 +271,26 @@ def replace_dir_atomic(tmp: Path, target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+
+
+def archive_corrupt(path: Path, archive_dir: Path, why: str, log: Callable[[str], None], consequence: str) -> Path:
+    """Move a file proven corrupt to ``archive_dir`` under a timestamped name (never over another file), and say so
+    through ``log`` with ``why`` and its ``consequence``. Only a file whose bytes prove it corrupt comes here: a file
+    that could not be read (EIO, EACCES, ...) is not corrupt, and its reader fails naming it instead."""
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for attempt in itertools.count():
+        target = archive_dir / f"{path.name}.{stamp}-{os.getpid()}-{attempt}"
+        try:
+            os.link(path, target)  # fails when the name exists: an earlier archive is never replaced
+        except FileExistsError:
+            continue
+        break
+    fsync_dir(archive_dir)
+    path.unlink()
+    fsync_dir(path.parent)
+    log(f"{path} is corrupt ({why}); moved to {target}, {consequence}")
+    return target
 
 
 # Writers that wrap the OS error in their own exception (polars raises ComputeError "... No space left on device

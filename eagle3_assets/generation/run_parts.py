@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import itertools
-import os
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,32 +85,13 @@ def parquet_corruption(data: bytes) -> str | None:
     return None
 
 
-def archive_corrupt(
-    path: Path, archive_dir: Path, why: str, log: Log, consequence: str = "its rows are generated again"
-) -> Path:
-    """Move a file proven corrupt to ``archive_dir`` under a timestamped name (never over another file)."""
-    archive_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    for attempt in itertools.count():
-        target = archive_dir / f"{path.name}.{stamp}-{os.getpid()}-{attempt}"
-        try:
-            os.link(path, target)  # fails when the name exists: an earlier archive is never replaced
-        except FileExistsError:
-            continue
-        break
-    storage.fsync_dir(archive_dir)
-    path.unlink()
-    storage.fsync_dir(path.parent)
-    log(f"{path} is corrupt ({why}); moved to {target}, {consequence}")
-    return target
-
-
 def retire_journal(journal_path: Path, contents: JournalContents, archive_dir: Path, log: Log) -> None:
     """Once the partition's files hold every journaled row: remove the journal, or, when it has lines that did not
     parse (proven corrupt, and what they held cannot be known), archive it instead of deleting them."""
     if contents.corrupt_lines and journal_path.exists():
         why = f"{contents.corrupt_lines} unparseable line(s)"
-        archive_corrupt(journal_path, archive_dir, why, log, "its parseable rows are in the partition's files")
+        consequence = "its parseable rows are in the partition's files"
+        storage.archive_corrupt(journal_path, archive_dir, why, log, consequence)
     else:
         journal_path.unlink(missing_ok=True)
 
@@ -148,7 +126,7 @@ def read_finished_parquet(path: Path, archive_dir: Path, log: Log) -> pl.DataFra
             raise MemoryError(f"out of memory parsing the finished file {path}; it is kept as it is") from error
         except pl.exceptions.PolarsError as error:  # parsed from memory: the bytes themselves are wrong
             why = f"{type(error).__name__}: {error}"
-    archive_corrupt(path, archive_dir, why, log)
+    storage.archive_corrupt(path, archive_dir, why, log, "its rows are generated again")
     return None
 
 

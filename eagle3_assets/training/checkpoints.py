@@ -32,6 +32,7 @@ from typing import Any
 
 from eagle3_assets.storage import (
     DiskSpaceError,
+    archive_corrupt,
     atomic_path,
     ensure_free_space,
     replace_dir_atomic,
@@ -143,8 +144,6 @@ def load_latest_checkpoint(
     fails the run naming the file: resuming from an older checkpoint would write over the newer one.
     """
     import torch
-
-    from eagle3_assets.generation.run_parts import archive_corrupt
 
     for path in reversed(_resume_candidates(ckpt_dir)):
         data = _read_checkpoint(path)

@@ -12,6 +12,7 @@ the capabilities that bypass file modes), the others by making every open of tha
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import struct
@@ -162,7 +163,8 @@ def test_a_whole_checkpoint_this_environment_cannot_load_fails_the_run_and_is_ke
     module_dir.mkdir()
     (module_dir / "safety_gone_module.py").write_text("class Stored:\n    pass\n")
     monkeypatch.syspath_prepend(str(module_dir))
-    import safety_gone_module  # the module written just above
+    # the module written just above (imported by name: it exists only for this test, deleted below)
+    safety_gone_module = importlib.import_module("safety_gone_module")
 
     state = torch.load(newest, map_location="cpu", weights_only=False)
     state["extra"] = safety_gone_module.Stored()
