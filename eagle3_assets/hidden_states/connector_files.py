@@ -161,7 +161,7 @@ def read_connector_file(
     _wait_for_writer(lock, lock_timeout_s, stopping)
     try:
         tensors = load(_read_bytes(path))
-    except ExtractionError:
+    except (ExtractionError, OSError):  # an OSError is this machine's (EIO, EACCES): the caller reports it as local
         raise
     except Exception as error:  # SafetensorError, or whatever a broken header raises: left in place
         why = f"{type(error).__name__}: {error}"

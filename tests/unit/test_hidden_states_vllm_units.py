@@ -66,6 +66,27 @@ def test_a_file_missing_here_points_at_the_storage_setting(tmp_path: Path) -> No
         read_connector_file(tmp_path / "elsewhere.safetensors", [1], 4, 8)
 
 
+def test_a_read_error_on_the_file_is_this_machines_error_not_a_bad_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO reading the connector's file propagates as the OSError it is (the backend reports it as a local storage
+    error and stops), never as "not a readable safetensors file" (the server's fault, retried); the file is kept."""
+    import errno
+
+    from eagle3_assets.hidden_states import connector_files
+
+    path = _connector_file(tmp_path / "eagle3-hs-x.safetensors", [1, 2], (2, 4, 8))
+
+    def failing_read(target: Path) -> bytes:
+        raise OSError(errno.EIO, "Input/output error", str(target))
+
+    monkeypatch.setattr(connector_files, "_read_bytes", failing_read)
+    with pytest.raises(OSError) as raised:
+        read_connector_file(path, [1, 2], 4, 8)
+    assert raised.value.errno == errno.EIO and not isinstance(raised.value, ExtractionError)
+    assert path.exists()
+
+
 def test_server_paths_map_onto_the_local_mount() -> None:
     assert local_file("/mnt/server/x.safetensors", "/data/hs") == Path("/data/hs/x.safetensors")
     assert local_file("../../etc/x.safetensors", "/data/hs") == Path("/data/hs/x.safetensors")  # never leaves it
