@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from eagle3_assets.partitions import KEY_PATTERN, check_partition_key
@@ -280,16 +280,23 @@ def _remove_unless_pinned(version: Path) -> bool:
         os.close(fd)
 
 
-def publish(layout: DataLayout, key: str, staging: Path, build_marker: str | None = None) -> Path:
+def publish(
+    layout: DataLayout,
+    key: str,
+    staging: Path,
+    build_marker: str | None = None,
+    files_synced_in: Collection[str] = (),
+) -> Path:
     """Make the complete build ``staging`` the partition's current version (the caller holds the partition lock).
 
     ``build_marker``: the file that marks ``staging`` as a build in progress (its resume key); it is removed from the
-    version only after the rename, so a kill anywhere before leaves a build that resumes, not one redone whole."""
+    version only after the rename, so a kill anywhere before leaves a build that resumes, not one redone whole.
+    ``files_synced_in``: the build's subfolders whose files were each synced when written (``storage.fsync_tree``)."""
     if not is_complete(staging):
         raise PublishError(f"{staging} is not a complete build (no {INDEX_FILE} or {LINEAGE_FILE}); not published")
     for line in recover(layout, key):
         logger.info("hidden_states %s: %s", key, line)
-    fsync_tree(staging)  # every file durable before the switch makes it visible
+    fsync_tree(staging, files_synced_in)  # every file durable before the switch makes it visible
     version = versions_dir(layout, key) / _new_version_name()
     version.parent.mkdir(parents=True, exist_ok=True)
     os.rename(staging, version)

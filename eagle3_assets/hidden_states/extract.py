@@ -264,7 +264,8 @@ def _finish(
     write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)
     total = int(_write_index(staging / INDEX_FILE, staging, rows, kept)["bytes"].sum())
     lineage.record_hidden_states(staging, partition_key, extraction, responses_digest)
-    data_dir = lineage.publish_hidden_states(layout, partition_key, staging)
+    # the sample files were each fsynced as written (samples.write_sample), or are hard links of synced ones
+    data_dir = lineage.publish_hidden_states(layout, partition_key, staging, files_synced_in=(HS_SUBDIR,))
     return total, data_dir
 
 
