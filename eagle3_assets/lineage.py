@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -366,12 +366,15 @@ def record_hidden_states(
     return lineage
 
 
-def publish_hidden_states(layout: DataLayout, partition_key: str, staging: Path) -> Path:
+def publish_hidden_states(
+    layout: DataLayout, partition_key: str, staging: Path, files_synced_in: Collection[str] = ()
+) -> Path:
     """Make the complete build (index and lineage written into it) the partition's current version with one
-    atomic switch (``publish.publish``); returns the partition's folder (its pointer)."""
+    atomic switch (``publish.publish``); returns the partition's folder (its pointer). ``files_synced_in``: the
+    subfolders whose files were each fsynced when written (the per-sample files)."""
     from eagle3_assets import publish
 
-    return publish.publish(layout, partition_key, staging, build_marker=_STAGING_INPUTS)
+    return publish.publish(layout, partition_key, staging, _STAGING_INPUTS, files_synced_in)
 
 
 def training_inputs_digest(
