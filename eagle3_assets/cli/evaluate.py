@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3_assets.evaluation.online import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS
 from eagle3_assets.partitions import InvalidPartitionKeyError, check_partition_key
 
@@ -51,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed-prompts", type=int, default=8, help="tokens/s on each set's first N prompts, batch 1 (default 8)"
     )
     p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=OnlineConfig.request_timeout_s,
+        help="each online request, its whole reply, within this many seconds; a request past it is counted as failed "
+        f"(default {OnlineConfig.request_timeout_s:g})",
+    )
+    p.add_argument(
         "--reasoning-parser",
         default=None,
         help="vLLM reasoning parser of the servers started: auto, none or a name (default: EAGLE3_REASONING_PARSER)",
@@ -82,7 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.online import OnlineConfig
     from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets
     from eagle3_assets.evaluation.report import write_report
     from eagle3_assets.local.reasoning import check_reasoning_parser
@@ -90,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.offline_only and args.online_only:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)
+        return 2
+    if not args.request_timeout_s > 0:  # also NaN
+        print(f"eagle3 evaluate: --request-timeout-s {args.request_timeout_s:g}: must be a positive number of seconds",
+              file=sys.stderr)  # fmt: skip
         return 2
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     settings.check_environ(EvaluationServersResource)  # a bad EAGLE3_EVAL_* value: the error naming it
@@ -117,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_tokens=args.max_tokens,
             concurrency=args.concurrency,
             speed_prompts=args.speed_prompts,
+            request_timeout_s=args.request_timeout_s,
             prompt_sets=tuple(prompt_sets),
             reasoning_parser=parser,
             python=args.vllm_python,

@@ -112,10 +112,12 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
         ("draft", "string", "trained or untrained"),
         ("method", "string", "online (vLLM speculative decoding) or offline (simulated from hidden states)"),
         ("drafts", "int", "Proposals of k tokens measured."),
+        ("failed", "int", "Online: requests with no reply (timeout, trickled or oversized body, error), in no figure."),
         ("mean_acceptance_length", "float", "1 + accepted tokens per draft, in [1, k+1]."),
         *[(n, "float", f"Drafts whose first {j + 1} tokens were accepted, share.") for j, n in enumerate(positions)],
         ("tokens_per_second", "float", "Online: output tokens/s with this draft, batch 1."),
-        ("speedup", "float", "Online: tokens/s over the plain verifier's."),
+        ("speedup", "float", "Online: tokens/s over the plain verifier's; empty where a speed request failed."),
+        ("speed_requests_failed", "int", "Online: failed speed requests, this draft's and the plain verifier's."),
     ]
     records = []
     for s in report.stats:
@@ -124,10 +126,12 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
             "draft": s.label,
             "method": s.method,
             "drafts": s.drafts,
+            "failed": s.failed if s.method == "online" else None,
             "mean_acceptance_length": round(s.mean_acceptance_length, 4),
             **{name: round(rate, 4) for name, rate in zip(positions, s.acceptance_rate_per_position, strict=False)},
             "tokens_per_second": round(s.tokens_per_second, 2) if s.tokens_per_second is not None else None,
             "speedup": None,
+            "speed_requests_failed": report.speed_failed(s.label, s.prompt_set) if s.method == "online" else None,
         }
         if s.method == "online" and (speedup := report.speedup(s.label, s.prompt_set)) is not None:
             record["speedup"] = round(speedup, 3)
@@ -185,8 +189,15 @@ def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dic
         metadata[f"{s.method}_{s.label}{where}_mean_acceptance_length"] = dg.MetadataValue.float(
             round(s.mean_acceptance_length, 4) if s.drafts else float("nan")
         )
-        speedup = report.speedup(s.label, s.prompt_set) if s.method == "online" else None
-        if speedup is not None:
+        if s.method != "online":
+            continue
+        metadata[f"failed_requests_{s.label}{where}"] = dg.MetadataValue.int(s.failed)
+        if speed_failed := report.speed_failed(s.label, s.prompt_set):
+            # never a number computed over a batch whose failed requests kept their wall time
+            metadata[f"speedup_{s.label}{where}"] = dg.MetadataValue.text(
+                f"withheld: {speed_failed} speed requests failed"
+            )
+        elif (speedup := report.speedup(s.label, s.prompt_set)) is not None:
             metadata[f"speedup_{s.label}{where}"] = dg.MetadataValue.float(round(speedup, 3))
     for label in report.labels():
         diff = report.agreement(label)
@@ -194,6 +205,7 @@ def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dic
             metadata[f"online_minus_offline_{label}"] = dg.MetadataValue.float(round(diff, 4))
     for run in report.online_runs:
         where = "" if run.prompt_set == HELD_OUT else f"_{run.prompt_set}"
+        metadata[f"failed_requests_plain{where}"] = dg.MetadataValue.int(run.failed)
         tps = run.baseline_tokens_per_second
         if tps == tps:
             metadata[f"baseline_tokens_per_second{where}"] = dg.MetadataValue.float(round(tps, 2))

@@ -19,7 +19,11 @@ Each request is bounded in time (the whole request, every byte of the reply, wit
 or proxy that trickles a body stays under any per-read timeout) and in size (the reply limit of ``max_tokens``,
 :func:`eagle3_assets.generation.replies.reply_limit`). A request that fails (that way, or any other) is counted as
 failed (``failed`` in its stats) and in no acceptance, speed or mismatch; a batch whose every request failed stops
-the evaluation naming the server and the error.
+the evaluation naming the server and the error. Tokens/s comes only from a speed batch whose every request was
+answered (``speed_failed`` 0): a batch's tokens/s is its tokens over its wall time, and a failed request adds no
+tokens but keeps its time (up to ``request_timeout_s``) in the batch, so one timeout among a minute of answers would
+cut that side's tokens/s, and move the speed-up, by up to ten times. Such a batch reports its answered tokens and no
+time: no tokens/s, and the report withholds every speed-up over it, naming the count.
 """
 
 from __future__ import annotations
@@ -262,9 +266,12 @@ def measure(
 def acceptance_stats(
     label: str, k: int, run: GenerationRun, speed: GenerationRun | None = None, prompt_set: str = HELD_OUT
 ) -> AcceptanceStats:
-    """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``."""
+    """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``, only
+    where every request of that batch was answered (else ``seconds`` None and ``speed_failed`` says how many failed)."""
     c = run.counters
     timed = speed if speed is not None else run
+    speed_failed = len(timed.failures)
+    failed = len(run.failures) + (len(speed.failures) if speed is not None else 0)
     return AcceptanceStats(
         label=label,
         method="online",
@@ -274,15 +281,18 @@ def acceptance_stats(
         accepted_tokens=c["accepted"],
         accepted_per_position=list(c["per_position"]),
         output_tokens=timed.output_tokens if timed.generations else None,
-        seconds=timed.seconds if timed.generations else None,
+        # a failed request's wall time is in the batch's, its tokens are not: no tokens/s from such a batch
+        seconds=timed.seconds if timed.generations and not speed_failed else None,
         prompt_set=prompt_set,
         extra={
             "prompts": len(run.generations),
             "speed_prompts": len(speed.generations) if speed is not None else len(run.generations),
             "truncated": sum(1 for g in run.generations if g.finish_reason == "length"),
             # requests that got no reply (a timeout, an oversized body, an error): in no count above
-            "failed": len(run.failures) + (len(speed.failures) if speed is not None else 0),
+            "failed": failed,
         },
+        failed=failed,
+        speed_failed=speed_failed,
     )
 
 
@@ -378,6 +388,11 @@ def evaluate_online(
                     say(
                         f"online [{label}] {set_name}: {len(failures)} of {len(run.generations)} requests failed, "
                         f"counted in no acceptance, speed or mismatch; the first: {failures[0].error}"
+                    )
+                if run.speed is not None and run.speed.failures:
+                    say(
+                        f"online [{label}] {set_name}: {len(run.speed.failures)} of the speed batch's "
+                        f"{len(run.speed.generations)} requests failed: no tokens/s, and no speed-up over it"
                     )
             return out
 

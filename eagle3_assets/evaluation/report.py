@@ -7,6 +7,13 @@ Definitions follow vLLM's spec-decode metrics, so online and offline numbers mea
   to the verifier's own next tokens);
 * mean acceptance length = 1 + accepted / drafts (the verifier's bonus token plus the accepted ones), in [1, k+1];
 * acceptance rate at position j = drafts whose first j+1 tokens were all accepted / drafts.
+
+Online, a request that got no reply (a timeout, a trickled or oversized body, an error) is *failed*: it counts in
+no acceptance figure, and each row says how many of its requests failed. Tokens/s is reported only from a speed
+batch whose every request was answered: a failed request adds no tokens but keeps its wall time (up to the request
+timeout) in the batch, so the batch's tokens/s would be too low by an unknown factor, and a speed-up over it too
+high or too low. A speed-up with a failed speed request on either side is therefore withheld ("-" with the count),
+never shown as a number.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ class AcceptanceStats:
     # the named prompt set (prompt_sets.py); offline figures are simulated on the held-out partition's samples
     prompt_set: str = "held-out"
     extra: dict[str, Any] = field(default_factory=dict)
+    # online only: requests with no reply, in no figure above (both batches); of those, the speed batch's: any
+    # there and this row has no tokens/s (``seconds`` None) and no speed-up
+    failed: int = 0
+    speed_failed: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -53,7 +64,7 @@ class AcceptanceStats:
 
     @property
     def tokens_per_second(self) -> float | None:
-        if self.output_tokens is None or not self.seconds:
+        if self.speed_failed or self.output_tokens is None or not self.seconds:
             return None
         return self.output_tokens / self.seconds
 
@@ -84,10 +95,16 @@ class OnlineRun:
     prompt_set: str = "held-out"
     concurrency: int = 1  # of the acceptance batch
     speed_prompts: int = 0  # the speed batch: the set's first prompts, one at a time
+    # the plain verifier's requests with no reply (both batches); of those, the speed batch's: any there and the
+    # baseline has no tokens/s, so no draft on this set has a speed-up
+    failed: int = 0
+    speed_failed: int = 0
 
     @property
     def baseline_tokens_per_second(self) -> float:
-        return self.baseline_output_tokens / self.baseline_seconds if self.baseline_seconds else float("nan")
+        if self.speed_failed or not self.baseline_seconds:
+            return float("nan")
+        return self.baseline_output_tokens / self.baseline_seconds
 
 
 @dataclass
@@ -126,13 +143,21 @@ class EvaluationReport:
         return None
 
     def speedup(self, label: str, prompt_set: str | None = None) -> float | None:
-        """Batch-1 output tokens/s with this draft over the plain verifier's, same prompts, same run."""
+        """Batch-1 output tokens/s with this draft over the plain verifier's, same prompts, same run; None where
+        either speed batch had a failed request (:meth:`speed_failed`)."""
         s = self.get(label, "online", prompt_set)
         run = self.run(s.prompt_set) if s is not None else None
         if s is None or run is None or s.tokens_per_second is None:
             return None
         base = run.baseline_tokens_per_second
         return s.tokens_per_second / base if base and base == base else None
+
+    def speed_failed(self, label: str, prompt_set: str | None = None) -> int:
+        """Failed speed requests behind this draft's speed-up, its own and the plain verifier's: above 0, the
+        speed-up is withheld."""
+        s = self.get(label, "online", prompt_set)
+        run = self.run(s.prompt_set) if s is not None else None
+        return (s.speed_failed if s is not None else 0) + (run.speed_failed if run is not None else 0)
 
     def agreement(self, label: str) -> float | None:
         """online - offline mean acceptance length for this draft on the held-out set (None unless both measured)."""
@@ -150,6 +175,7 @@ class EvaluationReport:
                 "mean_acceptance_length": _finite(s.mean_acceptance_length),
                 "acceptance_rate_per_position": [_finite(x) for x in s.acceptance_rate_per_position],
                 "drafts": s.drafts,
+                "failed": s.failed,
                 "speedup": self.speedup(s.label, s.prompt_set) if s.method == "online" else None,
             }
         return out
@@ -197,16 +223,29 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def _withheld(speed_failed: int) -> str:
+    """A tok/s or speed-up cell not computed because speed requests failed: never a bare number, never a bare -."""
+    return f"- ({speed_failed} speed request{'s' if speed_failed != 1 else ''} failed)"
+
+
 def _plain_row(run: OnlineRun, k: int) -> list[str]:
     tps = run.baseline_tokens_per_second
-    speed = "1.00" if tps == tps else "-"  # NaN: no speed batch
-    return [run.prompt_set, "none (plain verifier)", "online", "-", "1.000", *["-"] * k, _fmt(tps, 1), speed]
+    if run.speed_failed:
+        tps_cell = speed = _withheld(run.speed_failed)
+    else:
+        tps_cell, speed = _fmt(tps, 1), "1.00" if tps == tps else "-"  # NaN: no speed batch
+    cells = [run.prompt_set, "none (plain verifier)", "online", "-", "1.000", *["-"] * k]
+    return [*cells, tps_cell, speed, str(run.failed)]
 
 
 def _stats_row(report: EvaluationReport, s: AcceptanceStats) -> list[str]:
     k = report.k
     rates = s.acceptance_rate_per_position + [float("nan")] * (k - len(s.accepted_per_position))
-    speed = report.speedup(s.label, s.prompt_set) if s.method == "online" else None
+    online = s.method == "online"
+    speed = report.speedup(s.label, s.prompt_set) if online else None
+    tps_cell = (_withheld(s.speed_failed) if s.speed_failed else _fmt(s.tokens_per_second, 1)) if online else "-"
+    speed_failed = report.speed_failed(s.label, s.prompt_set) if online else 0
+    speed_cell = _withheld(speed_failed) if speed_failed else _fmt(speed, 2) if speed is not None else "-"
     return [
         s.prompt_set,
         s.label,
@@ -214,8 +253,9 @@ def _stats_row(report: EvaluationReport, s: AcceptanceStats) -> list[str]:
         str(s.drafts),
         _fmt(s.mean_acceptance_length),
         *[_fmt(r) for r in rates[:k]],
-        _fmt(s.tokens_per_second, 1) if s.method == "online" else "-",
-        _fmt(speed, 2) if speed is not None else "-",
+        tps_cell,
+        speed_cell,
+        str(s.failed) if online else "-",
     ]
 
 
@@ -223,7 +263,7 @@ def render_markdown(report: EvaluationReport) -> str:
     """One table, grouped by prompt set (the plain verifier's row first), then the notes."""
     k = report.k
     head = ["prompt set", "draft", "method", "drafts", "mean acc. len", *[f"acc@{j + 1}" for j in range(k)]]
-    head += ["tok/s", "speed-up"]
+    head += ["tok/s", "speed-up", "failed requests"]
     lines = [
         f"### Draft evaluation (k={k})",
         "",
@@ -258,6 +298,22 @@ def render_markdown(report: EvaluationReport) -> str:
         for label, bad in o.mismatches.items():
             what = "identical" if not bad else f"{len(bad)} DIFFERENT ({', '.join(bad[:5])})"
             lines.append(f"- {o.prompt_set}: greedy outputs with the {label} draft vs without: {what}")
+        sides = [(o.failed, o.speed_failed, "the plain verifier")]
+        sides += [
+            (s.failed, s.speed_failed, f"the {s.label} draft")
+            for s in report.stats
+            if s.method == "online" and s.prompt_set == o.prompt_set
+        ]
+        for failed, speed_failed, side in sides:
+            if not failed:
+                continue
+            withheld = ""
+            if speed_failed:
+                withheld = f"; {speed_failed} in its speed batch: its tok/s and the speed-ups over it withheld"
+            lines.append(
+                f"- {o.prompt_set}: {failed} requests to {side} FAILED (no reply: a timeout, a trickled or "
+                f"oversized body, an error), counted in no acceptance figure or mismatch{withheld}"
+            )
     for note in report.notes:
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
