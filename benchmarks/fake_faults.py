@@ -54,6 +54,9 @@ class FakeConfig:
     basic_auth: str | None = None  # "user:password": /v1/* requires "Authorization: Basic ..." (a proxy in front)
     hang_s: float = 3600.0  # also how long a trickling or endless body lasts at most
     trickle_interval_s: float = 1.0  # the "trickle" fault: seconds between the body's bytes
+    # the status line of every "endless" body: a runaway error page (500, 400) must be bounded like a runaway 200
+    endless_status: int = 200
+    endless_models: bool = False  # GET /v1/models answers an endless body too (a model list that never ends)
     revoke_after: int = 0  # > 0: chat requests after this many are refused with revoke_status (key revoked)
     revoke_status: int = 401
     outage_after: int = 0  # > 0: chat requests after this many are answered outage_status (the server went down)
@@ -74,6 +77,8 @@ class FakeConfig:
             raise ValueError(f"reasoning_field={self.reasoning_field!r}")
         if self.max_num_seqs < 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be >= 0 (0 = no limit)")
+        if not 200 <= self.endless_status <= 599:
+            raise ValueError(f"endless_status={self.endless_status!r}: must be an HTTP status (200-599)")
 
 
 def uniform(*parts: object) -> float:

@@ -187,7 +187,10 @@ class _Connection(asyncio.Protocol):
         if basic and path.startswith(("/v1/", "/metrics")) and headers.get("authorization") != _basic(basic):
             self.respond(401, _error_body(401, "Unauthorized (basic auth)", "Unauthorized"))
             return
-        if method == "GET" and path == "/v1/models":
+        if method == "GET" and path == "/v1/models" and app.config.endless_models:
+            app.stats.outcomes["endless_models"] += 1
+            await self._never_ending("endless", stream=False)
+        elif method == "GET" and path == "/v1/models":
             data = {
                 "object": "list",
                 "data": [
@@ -294,12 +297,14 @@ class _Connection(asyncio.Protocol):
 
     async def _never_ending(self, fault: str, stream: bool) -> None:
         """A 200 whose body never completes: a byte at a time ("trickle") or as fast as the client reads it
-        ("endless": well-formed content that never closes, so only a size limit or a deadline ends it). Ends when
-        the client goes away, or after ``hang_s``."""
+        ("endless": well-formed content that never closes, so only a size limit or a deadline ends it; its status
+        is ``endless_status``, an error page can run away too). Ends when the client goes away, or after
+        ``hang_s``."""
         config = self.app.config
         model = json.dumps(config.model)
+        status = config.endless_status if fault == "endless" else 200
         if stream:
-            self.write(_head(200, "text/event-stream; charset=utf-8", None))
+            self.write(_head(status, "text/event-stream; charset=utf-8", None))
             event = (
                 f'data: {{"id":"chatcmpl-endless","object":"chat.completion.chunk","created":{self.app.created},'
                 f'"model":{model},"choices":[{{"index":0,"delta":{{"content":"endless "}},"logprobs":null,'
@@ -317,7 +322,7 @@ class _Connection(asyncio.Protocol):
                 self.write(_head(200, "application/json", 4096) + opening)
             else:
                 # no length (chunked): only the bytes that arrive can tell the client it is too big
-                self.write(_head(200, "application/json", None) + _chunk(opening))
+                self.write(_head(status, "application/json", None) + _chunk(opening))
             endless = _chunk(b"endless " * 8192)
             trickle = b"x"  # more of the content string, one byte at a time
         ends = time.monotonic() + config.hang_s

@@ -2,9 +2,11 @@
 
 A server or proxy that answers 200 and then never ends the body must fail that request instead of growing the
 process's memory until the machine runs out: these helpers stop reading a body once it passes its limit.
-:mod:`eagle3_assets.generation.transport` bounds the generation requests itself; here are the same bounds for
+:mod:`eagle3_assets.generation.transport`'s aiohttp transport bounds the generation requests itself; here are the
+same bounds for
 
-- the ``openai`` SDK clients (the online evaluation, the ``vllm`` hidden-states backend): an ``httpx2`` client for
+- the ``openai`` SDK clients (the generation's ``openai`` transport, the online evaluation, the ``vllm``
+  hidden-states backend): an ``httpx2`` client for
   ``openai.AsyncOpenAI(http_client=...)`` whose every response body is capped as it arrives
   (:func:`capped_openai_http_client`), the SDK reading it whole only within the cap;
 - ``urllib`` (the probes of :mod:`eagle3_assets.local.vllm_probe`): :func:`read_capped` reads a body in chunks
@@ -33,15 +35,30 @@ READ_CHUNK_BYTES = 64 * 2**10
 
 class ReplyTooLarge(ValueError):
     """A reply body beyond its size limit (a runaway server, or a proxy that never ends the body); a ValueError like
-    any other reply that is no answer (invalid JSON)."""
+    any other reply that is no answer (invalid JSON).
 
-    def __init__(self, what: str, limit: int, declared: int | None = None) -> None:
+    ``status``: the response's HTTP status (an error page can run away too: a caller still classifies the failure
+    by it); ``declared``: the Content-Length that announced the body, if that is how it was caught; ``encoding``: a
+    compressed body's Content-Encoding when that was the refusal (its size is unknown until inflated)."""
+
+    def __init__(
+        self,
+        what: str,
+        limit: int,
+        declared: int | None = None,
+        *,
+        status: int | None = None,
+        encoding: str | None = None,
+    ) -> None:
         size = "passed" if declared is None else f"announces {declared:,} bytes,"
         super().__init__(
             f"reply too large: the body of {what} {size} beyond the limit of {limit:,} bytes (a runaway server, or a "
             "proxy that never ends the body)"
         )
         self.limit = limit
+        self.declared = declared
+        self.status = status
+        self.encoding = encoding
 
 
 @functools.cache
@@ -53,10 +70,11 @@ def _capped_stream_class() -> type:
     class CappedStream(httpx2.AsyncByteStream):
         """A response stream that raises :class:`ReplyTooLarge` once more than ``limit`` bytes arrived."""
 
-        def __init__(self, stream: httpx2.AsyncByteStream, limit: int, what: str) -> None:
+        def __init__(self, stream: httpx2.AsyncByteStream, limit: int, what: str, status: int) -> None:
             self._stream = stream
             self._limit = limit
             self._what = what
+            self._status = status
 
         @property
         def elapsed(self) -> Any:  # httpx2's Response.elapsed reads it from its stream
@@ -67,7 +85,7 @@ def _capped_stream_class() -> type:
             async for chunk in self._stream:
                 received += len(chunk)
                 if received > self._limit:
-                    raise ReplyTooLarge(self._what, self._limit)
+                    raise ReplyTooLarge(self._what, self._limit, status=self._status)
                 yield chunk
 
         async def aclose(self) -> None:
@@ -83,26 +101,36 @@ def _capping_hook(limit_for: Callable[[httpx2.Request], int]) -> Callable[[httpx
         request = response.request
         what = f"{request.method} {request.url.path}"
         limit = limit_for(request)
+        status = response.status_code
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding != "identity":
             # identity was asked for: a compressed body could inflate far beyond any limit on the bytes that arrive
             await response.aclose()
-            raise ReplyTooLarge(f"{what} (Content-Encoding {encoding!r}, not the identity asked for)", limit)
+            raise ReplyTooLarge(
+                f"{what} (Content-Encoding {encoding!r}, not the identity asked for)",
+                limit,
+                status=status,
+                encoding=encoding,
+            )
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await response.aclose()
-            raise ReplyTooLarge(what, limit, int(declared))
+            raise ReplyTooLarge(what, limit, int(declared), status=status)
         stream = response.stream
         assert isinstance(stream, httpx2.AsyncByteStream)
-        response.stream = _capped_stream_class()(stream, limit, what)
+        # every status: the SDK reads an error body whole (err.response.aread()) before it raises its status error
+        response.stream = _capped_stream_class()(stream, limit, what, status)
 
     return cap
 
 
-def capped_openai_http_client(limit_for: Callable[[httpx2.Request], int], **kwargs: Any) -> httpx2.AsyncClient:
-    """The ``openai`` SDK's default ``httpx2`` client (``openai.DefaultAsyncHttpxClient``, ``kwargs`` passed on),
-    every response body capped at ``limit_for(request)`` bytes: past it, reading the body raises
-    :class:`ReplyTooLarge`, which the SDK passes through unwrapped (it is neither an ``httpx2`` nor an SDK error).
+def capped_openai_http_client(
+    limit_for: Callable[[httpx2.Request], int], *, aiohttp: bool = False, **kwargs: Any
+) -> httpx2.AsyncClient:
+    """The ``openai`` SDK's default ``httpx2`` client (``openai.DefaultAsyncHttpxClient``, or with ``aiohttp`` its
+    aiohttp one, ``openai.DefaultAioHttpClient``; ``kwargs`` passed on), every response body, whatever its status,
+    capped at ``limit_for(request)`` bytes: past it, reading the body raises :class:`ReplyTooLarge`, which the SDK
+    passes through unwrapped (it is neither an ``httpx2`` nor an SDK error).
 
     Bodies are asked for uncompressed (``Accept-Encoding: identity``) and a compressed one is refused, so the cap on
     the bytes that arrive is a cap on the body the SDK holds.
@@ -110,9 +138,8 @@ def capped_openai_http_client(limit_for: Callable[[httpx2.Request], int], **kwar
     import openai
 
     headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
-    return openai.DefaultAsyncHttpxClient(
-        headers=headers, event_hooks={"response": [_capping_hook(limit_for)]}, **kwargs
-    )
+    client_class = openai.DefaultAioHttpClient if aiohttp else openai.DefaultAsyncHttpxClient
+    return client_class(headers=headers, event_hooks={"response": [_capping_hook(limit_for)]}, **kwargs)
 
 
 class _Readable(Protocol):

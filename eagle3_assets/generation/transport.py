@@ -15,24 +15,29 @@ Both only use their libraries' public APIs, send the same request and classify f
 Both bound a reply in time and in size, streamed or not: the whole request (connection, request, every byte of the
 reply) must end within ``deadline_s`` (a server or proxy that answers 200 and then trickles the body stays under any
 per-read timeout), and a body beyond its limit (:func:`eagle3_assets.generation.replies.reply_limit`, from
-``max_tokens``) fails as soon as it passes it, so a body that never ends cannot exhaust the run's memory.
+``max_tokens``) fails as soon as it passes it, so a body that never ends cannot exhaust the run's memory. That holds
+for every body, an error page's and GET /models' too (a fixed cap), whatever its status; an error status whose body
+runs away is still classified by its status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
 
+from eagle3_assets.bounded_http import ReplyTooLarge, capped_openai_http_client
 from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.errors import (
     RequestFailed,
+    _chain,
     classify,
     deadline_failure,
     status_failure,
@@ -48,10 +53,17 @@ from eagle3_assets.generation.replies import (
     reply_limit,
 )
 
+if TYPE_CHECKING:
+    import httpx2
+
 # The session's read buffer: the GET requests' (a chat reply sets its own, its size limit, see _read_body)
 READ_BUFSIZE = 32 * 2**20
 # GET /models: a list of a few served names; anything near this is no model list
 MODEL_LIST_BYTES = 16 * 2**20
+# A warm-up GET of /models, one per connection (up to the endpoint's cap, at once): its body is read only so the
+# connection goes back to the pool, and an honest one is a few KB; a server that runs away must not cost
+# connections x MODEL_LIST_BYTES
+WARM_BODY_BYTES = 256 * 2**10
 # How often a body read whole checks its size: aiohttp's flow control already stops reading at twice the limit, so
 # this only sets how soon an oversized body fails; rarely enough to cost nothing beside a request's ~1 ms of CPU.
 BODY_CHECK_S = 0.25
@@ -90,6 +102,26 @@ def aiohttp_session(
         read_bufsize=READ_BUFSIZE,
         trust_env=bool(urllib.request.getproxies()),
     )
+
+
+async def _read_reply(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of a 2xx ``response`` (within ``limit`` bytes, see :func:`_read_body`); an error status is a
+    :func:`status_failure`, also when its body runs past the limit (a runaway error page still says 500 or 401)."""
+    try:
+        data = await _read_body(response, limit)
+    except RequestFailed as too_large:
+        if response.status >= 300:
+            raise _status_too_large(response.status, too_large, response.headers) from None
+        raise
+    if response.status >= 300:
+        raise status_failure(response.status, data, response.headers)
+    return data
+
+
+def _status_too_large(status: int, too_large: RequestFailed, headers: Mapping[str, str] | None) -> RequestFailed:
+    """An error status whose body passed its size limit: classified by the status (retried, benched or stopping the
+    run as that status is), the size named in place of the server's message."""
+    return status_failure(status, too_large.message.encode(), headers)
 
 
 async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -162,9 +194,7 @@ class AiohttpTransport:
             async with deadline, self._client().post(self._chat_url, data=body, read_bufsize=limit) as response:
                 # The whole body at once: a stream still streams and the socket read timeout still is its idle
                 # timeout, but this task wakes once per response instead of once per SSE chunk.
-                data = await _read_body(response, limit)
-                if response.status >= 300:
-                    raise status_failure(response.status, data, response.headers)
+                data = await _read_reply(response, limit)
                 return parse_sse(data) if stream else parse_completion(data)
         except Exception as error:  # not a cancellation: CancelledError is no Exception
             if deadline.expired():
@@ -175,17 +205,15 @@ class AiohttpTransport:
     async def list_models(self) -> list[str]:
         try:
             async with self._client().get(self._models_url, read_bufsize=MODEL_LIST_BYTES) as response:
-                data = await _read_body(response, MODEL_LIST_BYTES)
-                if response.status >= 300:
-                    raise status_failure(response.status, data, response.headers)
+                data = await _read_reply(response, MODEL_LIST_BYTES)
             return _model_ids(data)
         except Exception as error:
             raise classify(error) from error
 
     async def warm(self, connections: int) -> None:
         async def one() -> None:
-            async with self._client().get(self._models_url, read_bufsize=MODEL_LIST_BYTES) as response:
-                await _read_body(response, MODEL_LIST_BYTES)
+            async with self._client().get(self._models_url, read_bufsize=WARM_BODY_BYTES) as response:
+                await _read_body(response, WARM_BODY_BYTES)
 
         await asyncio.gather(*[one() for _ in range(connections)], return_exceptions=True)
 
@@ -213,18 +241,25 @@ class _Meter:
     received: int | None = None
 
 
-async def _bounded(chunks: AsyncIterator[bytes], limit: int, meter: _Meter) -> AsyncIterator[bytes]:
-    """``chunks`` until they pass ``limit`` bytes in all, then a :class:`RequestFailed`."""
+async def _metered(chunks: AsyncIterator[bytes], meter: _Meter) -> AsyncIterator[bytes]:
+    """``chunks``, counted into ``meter`` (their size limit is the client's, see OpenAITransport)."""
     meter.received = 0
     async for chunk in chunks:
         meter.received += len(chunk)
-        if meter.received > limit:
-            raise too_large_failure(limit)
         yield chunk
 
 
+# The size limit of a GET body through the openai transport's client: the model list's, or a warm-up's
+_GET_BODY_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("get_body_bytes", default=MODEL_LIST_BYTES)
+
+
 class OpenAITransport:
-    """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes."""
+    """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes.
+
+    Every body, whatever its status, is capped as it arrives by the client's response hook
+    (:func:`eagle3_assets.bounded_http.capped_openai_http_client`): the SDK itself reads an error body whole before
+    it raises, and a model list or a warm-up GET whole, where no code of ours could bound it afterwards.
+    """
 
     def __init__(
         self,
@@ -251,24 +286,27 @@ class OpenAITransport:
             default_headers={"Authorization": authorization} if authorization else None,
             max_retries=0,  # the engine retries; the SDK's own retries would stack on top
             timeout=timeout,
-            http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
+            http_client=capped_openai_http_client(self._limit_for, aiohttp=True, timeout=timeout, limits=limits),
         )
+
+    def _limit_for(self, request: httpx2.Request) -> int:
+        """A chat reply's size limit from its request's max_tokens; GET /models a fixed one (the warm-up's smaller:
+        set in its tasks' context, the hook runs in the task that sends the request)."""
+        if request.url.path.endswith(CHAT_PATH):
+            return self._reply_limit.bytes_for(request.content)
+        return _GET_BODY_BYTES.get()
 
     async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
         raw = self._httpx.Response
-        limit = self._reply_limit.bytes_for(body)
         deadline = asyncio.timeout(deadline_s)
         meter = _Meter()
         try:
             async with deadline:
-                # stream=True also for a plain reply: the body is then read here, within its size limit, instead of
-                # whole by the SDK (the SDK's default headers already say Content-Type: application/json)
+                # stream=True also for a plain reply: the body is then read here (counted for the deadline's
+                # message) instead of by the SDK (its default headers already say Content-Type: application/json)
                 response = await self.client.post(CHAT_PATH, content=body, cast_to=raw, stream=True)  # type: ignore[call-overload]
                 try:
-                    declared = response.headers.get("content-length")
-                    if declared is not None and declared.isdigit() and int(declared) > limit:
-                        raise too_large_failure(limit, int(declared))
-                    chunks = _bounded(response.aiter_bytes(), limit, meter)
+                    chunks = _metered(response.aiter_bytes(), meter)
                     if stream:
                         return await read_sse(chunks)
                     return parse_completion(b"".join([chunk async for chunk in chunks]))
@@ -287,8 +325,12 @@ class OpenAITransport:
         return [model.id for model in page.data]
 
     async def warm(self, connections: int) -> None:
-        calls = [self.client.get("/models", cast_to=self._httpx.Response) for _ in range(connections)]
-        await asyncio.gather(*calls, return_exceptions=True)
+        warming = _GET_BODY_BYTES.set(WARM_BODY_BYTES)  # gather's tasks copy this context as they start
+        try:
+            calls = [self.client.get("/models", cast_to=self._httpx.Response) for _ in range(connections)]
+            await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            _GET_BODY_BYTES.reset(warming)
 
     async def close(self) -> None:
         await self.client.close()
@@ -298,6 +340,17 @@ def sdk_failure(error: BaseException) -> RequestFailed:
     """The SDK's exceptions as the aiohttp transport reports the same event (:func:`classify` for the rest)."""
     import openai
 
+    # the client's size cap, raised as the body arrived, or by its hook (and then wrapped by the SDK as a
+    # connection error) on a Content-Length or Content-Encoding it refused
+    too_large = next((e for e in _chain(error) if isinstance(e, ReplyTooLarge)), None)
+    if too_large is not None:
+        if too_large.encoding is not None:
+            failure = RequestFailed(str(too_large), True)
+        else:  # the aiohttp transport's text
+            failure = too_large_failure(too_large.limit, too_large.declared)
+        if too_large.status is not None and too_large.status >= 300:
+            return _status_too_large(too_large.status, failure, None)
+        return failure
     if isinstance(error, openai.APIStatusError):
         response: Any = error.response
         try:

@@ -131,9 +131,9 @@ def _resident_mb(pid: int) -> float:
     return int(found[1]) / 1024 if found else 0.0
 
 
-def _generate_in_child(url: str, layout: DataLayout, settings: dict[str, Any]) -> dict[str, Any]:
-    """Run the child; kill it (and fail) if it grows past KILL_GROWTH_MB. Returns its report."""
-    argv = [sys.executable, "-c", _CHILD, url, str(layout.root), KEY, str(PROMPTS), json.dumps(settings)]
+def _generate_in_child(url: str, layout: DataLayout, settings: dict[str, Any], script: str = _CHILD) -> dict[str, Any]:
+    """Run the child (``script``); kill it (and fail) if it grows past KILL_GROWTH_MB. Returns its report."""
+    argv = [sys.executable, "-c", script, url, str(layout.root), KEY, str(PROMPTS), json.dumps(settings)]
     child = subprocess.Popen(
         argv, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -175,3 +175,92 @@ def test_an_endless_body_fails_at_its_size_limit_in_bounded_memory(
         # the size limit, not the deadline, ended each attempt
         assert error.startswith(f"gave up after {ATTEMPTS} attempts; last error: reply too large: its body"), error
         assert "bytes this request's max_tokens allows" in error, error
+
+
+# ------------------------------------------------------------------------------------ an endless error body
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("status", [500, 400])
+def test_an_endless_error_body_fails_by_its_status_in_bounded_memory(
+    status: int, transport: str, layout: DataLayout
+) -> None:
+    """A runaway error page: the openai SDK reads an error body whole itself before it raises (it grew the run by
+    825 MB within the deadline). Capped like a 200's, the failure still says its status: a 500 retried, a 400 not."""
+    fake = FakeConfig(faults={"endless": 1.0}, endless_status=status, hang_s=NEVER_ENDING_S)
+    attempts = ATTEMPTS if status >= 500 else 1
+    with FakeServerProcess(fake) as server:
+        report = _generate_in_child(server.base_url, layout, _settings(server.base_url, transport, stream=False))
+        endless = server.stats()["outcomes"].get("endless", 0)
+
+    assert endless == PROMPTS * attempts
+    assert report["peak_mb"] - report["baseline_mb"] < GROWTH_LIMIT_MB, report
+    assert (report["ok"], report["failed"], report["total"]) == (0, PROMPTS, PROMPTS)
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.height == PROMPTS and set(frame["status"]) == {"failed"}
+    given_up = f"gave up after {ATTEMPTS} attempts; last error: " if status >= 500 else ""
+    for error in frame["error"]:
+        assert error.startswith(f"{given_up}HTTP {status}: reply too large: its body passed beyond"), error
+
+
+# ------------------------------------------------------------------------------------ an endless model list
+
+# Lists the models and warms the connections of one transport against the endless server (each bounded by its own
+# deadline, as the engine's preflight does), then prints its resident memory as _CHILD does.
+_MODELS_CHILD = textwrap.dedent(
+    """
+    import asyncio, json, re, sys
+    import httpx2, openai
+    from eagle3_assets.generation.transport import make_transports
+    from support.reliability import quick_config
+
+    def memory_mb(field):
+        return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1]) / 1024
+
+    async def main(config):
+        transport = make_transports(config)[config.base_urls[0]]
+        try:
+            try:
+                async with asyncio.timeout(config.request_timeout_s):
+                    await transport.list_models()
+                listed = "listed"
+            except Exception as error:
+                listed = f"{type(error).__name__}: {error}"
+            try:
+                async with asyncio.timeout(config.request_timeout_s):
+                    await transport.warm(4)
+                warmed = "warmed"
+            except TimeoutError:
+                warmed = "timeout"
+        finally:
+            await transport.close()
+        return listed, warmed
+
+    config = quick_config(sys.argv[1], **json.loads(sys.argv[5]))
+    baseline = memory_mb("VmRSS")
+    print("BASELINE", baseline, flush=True)
+    listed, warmed = asyncio.run(main(config))
+    print(json.dumps({"baseline_mb": baseline, "peak_mb": memory_mb("VmHWM"), "listed": listed, "warmed": warmed}),
+          flush=True)
+    """
+)
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("status", [200, 500])
+def test_an_endless_model_list_fails_at_its_cap_in_bounded_memory(
+    status: int, transport: str, layout: DataLayout
+) -> None:
+    """GET /v1/models (the preflight's model list, the warm-up GETs): read whole by the SDK, or by the aiohttp
+    transport within MODEL_LIST_BYTES; the failure names the size (and the status of an error page)."""
+    fake = FakeConfig(endless_models=True, endless_status=status, hang_s=NEVER_ENDING_S)
+    with FakeServerProcess(fake) as server:
+        settings = _settings(server.base_url, transport, stream=False) | {"request_timeout_s": 5.0}
+        report = _generate_in_child(server.base_url, layout, settings, script=_MODELS_CHILD)
+        served = server.stats()["outcomes"].get("endless_models", 0)
+
+    assert served == 1 + 4  # the list, then four warm-up GETs
+    assert report["peak_mb"] - report["baseline_mb"] < GROWTH_LIMIT_MB, report
+    prefix = "" if status == 200 else f"HTTP {status}: "
+    assert report["listed"].startswith(f"RequestFailed: {prefix}reply too large: its body passed beyond"), report
+    assert report["warmed"] == "warmed", report  # each GET failed at its cap, well before the deadline
