@@ -181,16 +181,17 @@ def test_an_endless_body_fails_at_its_size_limit_in_bounded_memory(
 
 
 @TRANSPORTS
+@STREAMS
 @pytest.mark.parametrize("status", [500, 400])
 def test_an_endless_error_body_fails_by_its_status_in_bounded_memory(
-    status: int, transport: str, layout: DataLayout
+    status: int, stream: bool, transport: str, layout: DataLayout
 ) -> None:
     """A runaway error page: the openai SDK reads an error body whole itself before it raises (it grew the run by
     825 MB within the deadline). Capped like a 200's, the failure still says its status: a 500 retried, a 400 not."""
     fake = FakeConfig(faults={"endless": 1.0}, endless_status=status, hang_s=NEVER_ENDING_S)
     attempts = ATTEMPTS if status >= 500 else 1
     with FakeServerProcess(fake) as server:
-        report = _generate_in_child(server.base_url, layout, _settings(server.base_url, transport, stream=False))
+        report = _generate_in_child(server.base_url, layout, _settings(server.base_url, transport, stream))
         endless = server.stats()["outcomes"].get("endless", 0)
 
     assert endless == PROMPTS * attempts
