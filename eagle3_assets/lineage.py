@@ -37,8 +37,9 @@ HIDDEN_STATES_CODE_VERSION = "hidden-states-2"  # 2: re-extracted when the verif
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".json", ".model", ".txt", ".jinja", ".py")
 _HASH_CACHE = "_verifier_hashes.json"
 LINEAGE_FILE = "lineage.json"  # a hidden_states version's own record (publish.LINEAGE_FILE: the same name)
-# what the training fingerprint records for the vocabulary when the run loaded no mapping
-NO_VOCAB_MAPPING = "no vocab_mapping"
+# passed as a training fingerprint's vocabulary part when the run found no vocab_mapping folder: recorded as None,
+# the value every earlier version recorded then (their checkpoints still resume)
+NO_VOCAB_MAPPING = "no vocab_mapping folder"
 
 
 # ------------------------------------------------------------------------------------------- prompt drift
@@ -386,10 +387,11 @@ def training_inputs_digest(
 ) -> str:
     """A content hash of what a draft trains on: each partition's recorded hidden-states data version and
     index content, the vocabulary mapping and the verifier content (not paths and counts). ``dirs``: the
-    pinned version folder of each key (else the current one). ``vocab_digest``: the digest of the mapping bytes
-    the run loaded (``training.vocab.LoadedVocabMapping.digest``, or :data:`NO_VOCAB_MAPPING`): a mapping
-    rebuilt after the load must not be what the checkpoint claims it was trained with. None (a caller that
-    loads nothing): the files in the mapping folder now."""
+    pinned version folder of each key (else the current one). ``vocab_digest``: the vocabulary part computed
+    from the mapping bytes the run loaded (``training.vocab.fingerprint_part``; :data:`NO_VOCAB_MAPPING`: no
+    folder): a mapping rebuilt after the load must not be what the checkpoint claims it was trained with. None (a
+    caller that loads nothing): the files in the mapping folder now. Both give the same value for the same files,
+    the value of every earlier version, so an upgrade never makes a checkpoint look made for other data."""
     parts: list[Any] = []
     for key in sorted(keys):
         folder = (dirs or {}).get(key) or layout.hidden_states_dir(key)
@@ -398,8 +400,8 @@ def training_inputs_digest(
         parts.append(
             [key, lineage.data_version if lineage else None, storage.file_digest(index) if index.exists() else None]
         )
-    vocab = vocab_digest
-    if vocab is None:
+    vocab = None if vocab_digest == NO_VOCAB_MAPPING else vocab_digest
+    if vocab_digest is None:
         vocab_dir = layout.vocab_mapping_dir
         vocab = files_digest(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None
     verifier = verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states"))

@@ -168,7 +168,7 @@ def _prepare(
     import torch
 
     from eagle3_assets.speculators_adapter import build_optimizers
-    from eagle3_assets.training.vocab import read_vocab_mapping
+    from eagle3_assets.training.vocab import fingerprint_part, read_vocab_mapping
 
     layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
     device = resolve_device(config.device)
@@ -209,9 +209,8 @@ def _prepare(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples
     )
     # content, not paths and counts: other hidden states, vocabulary or verifier weights never resume it
-    vocab_digest = loaded.digest if loaded is not None else lineage.NO_VOCAB_MAPPING
     fingerprint = lineage.training_fingerprint(
-        fingerprint, layout, [*train_keys, val_key], verifier_path, dirs, vocab_digest
+        fingerprint, layout, [*train_keys, val_key], verifier_path, dirs, fingerprint_part(layout, loaded)
     )
     history: dict[str, Any] = {
         **{k: [] for k in ("train_loss", "val_loss", "val_accuracy", "val_cond_accuracy", "val_acceptance_length")},

@@ -18,6 +18,7 @@ and ``vocab.json`` (sizes, coverage). speculators' CLI takes ``--d2t-path``/``--
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections import Counter
 from collections.abc import Sequence
@@ -97,7 +98,45 @@ class LoadedVocabMapping:
 
     d2t: Any
     t2d: Any
-    digest: str
+    digest: str  # :func:`mapping_folder_digest` with the loaded bytes
+
+
+def mapping_folder_digest(folder: Path, loaded: bytes | None) -> str:
+    """The vocabulary part of a training checkpoint's fingerprint, the value every earlier version recorded
+    (``lineage.files_digest`` over the files in ``folder``), so a checkpoint of an earlier version trained with the
+    same mapping still resumes. The mapping file's entry is of ``loaded``, the bytes the run built its draft from
+    (None: it loaded none, and a mapping written since is not counted), never of the file on disk now, which a
+    concurrent ``vocab_mapping`` run may have rebuilt. The other files (the counts and summary the mapping was built
+    from) are read now, as before: a rebuild in between only makes the fingerprint match nothing, and the run
+    starts fresh rather than resuming a draft of another vocabulary."""
+    import hashlib
+
+    from eagle3_assets.hashing import digest
+    from eagle3_assets.storage import file_digest
+
+    hashes: dict[str, str] = {}
+    if loaded is not None:
+        hashes[MAPPING_FILE] = hashlib.sha256(loaded).hexdigest()
+    for path in folder.glob("*") if folder.is_dir() else ():
+        if path.name == MAPPING_FILE or not path.is_file():
+            continue
+        with contextlib.suppress(FileNotFoundError):  # gone since it was listed: files_digest skipped it too
+            hashes[path.name] = file_digest(path, 64)
+    # files_digest's list: (name, sha256 hex) in path order, which within one folder is name order
+    return digest(sorted(hashes.items()))
+
+
+def fingerprint_part(layout: DataLayout, loaded: LoadedVocabMapping | None) -> str:
+    """What a training run's checkpoint fingerprint records for the vocabulary it trained with (``loaded``: what
+    :func:`read_vocab_mapping` returned): the loaded mapping's :func:`mapping_folder_digest`, or, when it loaded
+    none, that of the folder's other files, or ``lineage.NO_VOCAB_MAPPING`` when there is no folder."""
+    from eagle3_assets.lineage import NO_VOCAB_MAPPING
+
+    if loaded is not None:
+        return loaded.digest
+    if not layout.vocab_mapping_dir.is_dir():
+        return NO_VOCAB_MAPPING
+    return mapping_folder_digest(layout.vocab_mapping_dir, None)
 
 
 def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
@@ -110,8 +149,6 @@ def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
 def read_vocab_mapping(layout: DataLayout) -> LoadedVocabMapping | None:
     """:func:`load_vocab_mapping` with the digest of the bytes read: the file is read ONCE, and both the tensors
     and the digest come from those bytes. None when no mapping was built."""
-    import hashlib
-
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -133,7 +170,7 @@ def read_vocab_mapping(layout: DataLayout) -> LoadedVocabMapping | None:
         raise VocabMappingError(f"vocabulary mapping {path} is unreadable ({error}); {REMEDY}") from error
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     check_vocab_mapping(d2t, t2d, path)
-    return LoadedVocabMapping(d2t, t2d, f"{MAPPING_FILE}:{hashlib.sha256(data).hexdigest()}")
+    return LoadedVocabMapping(d2t, t2d, mapping_folder_digest(layout.vocab_mapping_dir, data))
 
 
 def build_vocab_mapping(

@@ -202,6 +202,8 @@ def test_the_training_fingerprint_is_of_the_vocabulary_bytes_it_loaded(
         extract_partition(layout, key, verifier, CONFIG)
     build_vocab_mapping(layout, keys[:1], draft_vocab_size=64, target_vocab_size=1024)
     loaded_bytes = (layout.vocab_mapping_dir / MAPPING_FILE).read_bytes()
+    # the folder as loaded: the fingerprint counts its other files too (as every earlier version did)
+    loaded_folder = {p.name: p.read_bytes() for p in layout.vocab_mapping_dir.iterdir() if p.is_file()}
     rebuild = (
         "import sys; from eagle3_assets.storage import DataLayout; from eagle3_assets.training import "
         "build_vocab_mapping; build_vocab_mapping(DataLayout.at(sys.argv[1]), ['00000'], 128, target_vocab_size=1024)"
@@ -219,9 +221,10 @@ def test_the_training_fingerprint_is_of_the_vocabulary_bytes_it_loaded(
     assert first.draft_vocab_size == 64 and (layout.vocab_mapping_dir / MAPPING_FILE).read_bytes() != loaded_bytes
 
     two = TrainConfig(epochs=2, tokens_per_batch=256, max_steps_per_epoch=1, max_val_batches=1, device="cpu")
-    control = tmp_path / "control"  # the 64-token mapping the first run trained with, back in place
+    control = tmp_path / "control"  # the 64-token mapping folder the first run trained with, back in place
     shutil.copytree(layout.root, control, symlinks=True, ignore=shutil.ignore_patterns("_locks"))
-    (DataLayout.at(control).vocab_mapping_dir / MAPPING_FILE).write_bytes(loaded_bytes)
+    for name, data in loaded_folder.items():
+        (DataLayout.at(control).vocab_mapping_dir / name).write_bytes(data)
     assert train_draft(DataLayout.at(control), keys[:1], keys[1], verifier, two).resumed_from_epoch == 0
 
     again = train_draft(layout, keys[:1], keys[1], verifier, two)  # the 128-token mapping: another draft
