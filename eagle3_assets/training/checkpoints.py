@@ -12,6 +12,14 @@ it. Only a checkpoint its bytes prove corrupt (not a whole zip archive, a record
 aside, moved to ``checkpoints/_corrupt/`` under a timestamped name, and training resumes from the next older one. A
 write that fails (a full or read-only disk) names the file being written, never its temporary, and keeps what is
 already there: the earlier checkpoints, and the published ``final/``.
+
+A checkpoint of another fingerprint (a run with other data or settings) is never deleted and never resumed: it is
+moved to ``checkpoints/_other_runs/<its fingerprint>/`` (by the resume, and by pruning when it finds one) and said so.
+Moved, not kept in place, because its epoch names share the folder's order with the current run's: an old run's
+``epoch_0010.pt`` sorts after the new run's ``epoch_0001.pt``, so pruning by name would delete the new run's
+checkpoint and keep the old one, and the new run's own ``epoch_0010.pt`` would later be written over it. Moved, not
+deleted, because it may be days of training that a change of settings back would want again: moving the files back
+into ``checkpoints/`` resumes it. Pruning deletes only checkpoints proven to be of the current run's fingerprint.
 """
 
 from __future__ import annotations
@@ -20,13 +28,16 @@ import contextlib
 import errno
 import hashlib
 import io
+import itertools
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +46,7 @@ from eagle3_assets.storage import (
     archive_corrupt,
     atomic_path,
     ensure_free_space,
+    fsync_dir,
     replace_dir_atomic,
     write_json_atomic,
 )
@@ -44,8 +56,12 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 HISTORY_FILE = "training_history.json"
 CORRUPT_DIR = "_corrupt"  # under checkpoints/: checkpoints proven corrupt, kept by name and time, never overwritten
+OTHER_RUNS_DIR = "_other_runs"  # under checkpoints/: checkpoints of other fingerprints, one folder per fingerprint
 # Loaded again from the verifier when the model is rebuilt: not worth a copy in every checkpoint.
 VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+_FINGERPRINT_NAME = re.compile(r"[0-9a-f]{1,64}")  # what fingerprint() writes: safe as a folder name
+
+logger = logging.getLogger(__name__)
 
 
 def fingerprint(
@@ -88,6 +104,44 @@ def _resume_candidates(ckpt_dir: Path) -> list[Path]:
             str(ckpt_dir),
         ) from error
     return list_checkpoints(ckpt_dir)
+
+
+def saved_fingerprint(path: Path) -> str | None:
+    """The fingerprint ``path`` was saved with; None when that cannot be told (gone, unreadable, corrupt: the
+    resume judges those). The tensors are memory-mapped, not read: a checkpoint's size costs nothing here."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # whatever the cause, the fingerprint is unknown, and an unknown one is never deleted
+        return None
+    fingerprint = state.get("fingerprint") if isinstance(state, dict) else None
+    return fingerprint if isinstance(fingerprint, str) else None
+
+
+def set_aside(path: Path, its_fingerprint: str, say: Callable[[str], None]) -> Path:
+    """Move a checkpoint of another run to ``_other_runs/<its fingerprint>/``, under its own name unless that is
+    taken (then a timestamped one: an earlier set-aside is never replaced), and say where it went."""
+    name = its_fingerprint if _FINGERPRINT_NAME.fullmatch(its_fingerprint) else "unknown"
+    folder = path.parent / OTHER_RUNS_DIR / name
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    candidates = itertools.chain([path.name], (f"{path.stem}.{stamp}-{os.getpid()}-{n}.pt" for n in itertools.count()))
+    for candidate in candidates:
+        target = folder / candidate
+        try:
+            os.link(path, target)  # fails when the name exists, where rename would replace it
+        except FileExistsError:
+            continue
+        break
+    fsync_dir(folder)
+    path.unlink()
+    fsync_dir(path.parent)
+    say(
+        f"checkpoint {path.name} was made for different data or settings (fingerprint {its_fingerprint}); moved "
+        f"to {target}, not resumed and not deleted (move it back into {path.parent} to resume that run)"
+    )
+    return target
 
 
 def checkpoint_corruption(data: bytes) -> str | None:
@@ -137,11 +191,12 @@ def _read_checkpoint(path: Path) -> bytes | None:
 def load_latest_checkpoint(
     ckpt_dir: Path, expected: str, notes: list[str], archive: bool = True
 ) -> dict[str, Any] | None:
-    """The newest whole checkpoint's state; None when there is none or the newest was made for other settings.
+    """The state of the newest whole checkpoint made with the fingerprint ``expected``; None when there is none.
 
     A checkpoint proven corrupt is skipped with a note and, when ``archive`` (one rank of a multi-process run does
-    it), moved to ``_corrupt/``. A read error, a MemoryError, or a whole checkpoint that this environment cannot load
-    fails the run naming the file: resuming from an older checkpoint would write over the newer one.
+    it), moved to ``_corrupt/``; one of another fingerprint is skipped with a note and, when ``archive``, moved to
+    ``_other_runs/`` (:func:`set_aside`). A read error, a MemoryError, or a whole checkpoint that this environment
+    cannot load fails the run naming the file: resuming from an older checkpoint would write over the newer one.
     """
     import torch
 
@@ -173,10 +228,15 @@ def load_latest_checkpoint(
                 f"wrote it, or move {path} aside to resume from an older checkpoint"
             ) from error
         del data
-        if state.get("fingerprint") != expected:
-            notes.append(f"ignored checkpoint {path.name}: made for different data or settings; starting fresh")
-            return None
-        return state
+        its_fingerprint = state.get("fingerprint")
+        if its_fingerprint == expected:
+            return state
+        del state
+        # an older checkpoint of this run may follow (another run's epoch names sort among this run's)
+        if archive:
+            set_aside(path, str(its_fingerprint), notes.append)
+        else:
+            notes.append(f"skipped checkpoint {path.name}: made for different data or settings")
     return None
 
 
@@ -263,9 +323,11 @@ def save_checkpoint(
     history: dict,
     fingerprint: str,
     config: TrainConfig,
+    say: Callable[[str], None] = logger.info,
 ) -> None:
     """The trainable weights, optimizer, scheduler and RNG state and the history after ``epoch``, written atomically;
-    only the newest ``keep_checkpoints`` are kept. Called on rank 0 only (every rank holds the same state)."""
+    only the newest ``keep_checkpoints`` of this ``fingerprint`` are kept, another fingerprint's are set aside
+    (:func:`set_aside`, told through ``say``). Called on rank 0 only (every rank holds the same state)."""
     import torch
 
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in VERIFIER_OWNED}
@@ -286,5 +348,19 @@ def save_checkpoint(
         ensure_free_space(path, len(data), "draft_model checkpoint")
         with atomic_path(path, needed_bytes=len(data)) as tmp:
             tmp.write_bytes(data)
-    for old in list_checkpoints(ckpt_dir)[: -config.keep_checkpoints]:
+    prune_checkpoints(ckpt_dir, fingerprint, config.keep_checkpoints, say)
+
+
+def prune_checkpoints(ckpt_dir: Path, fingerprint: str, keep: int, say: Callable[[str], None]) -> None:
+    """Delete all but the newest ``keep`` checkpoints of ``fingerprint``; set aside another fingerprint's (never
+    counted, never deleted); leave one whose fingerprint cannot be read where it is (the next resume judges it:
+    a corrupt one is archived, an unreadable one fails naming it)."""
+    ours: list[Path] = []
+    for path in list_checkpoints(ckpt_dir):
+        its_fingerprint = saved_fingerprint(path)
+        if its_fingerprint == fingerprint:
+            ours.append(path)
+        elif its_fingerprint is not None:
+            set_aside(path, its_fingerprint, say)
+    for old in ours[:-keep]:
         old.unlink(missing_ok=True)

@@ -337,8 +337,9 @@ def _end_epoch(run: _Run, epoch: int, losses: list[float], ckpt_dir: Path, on_ep
                  "val_acceptance_length": val["acceptance"], "steps": h["steps"], "ranks": run.ranks.world}
             )  # fmt: skip
         ckpt.save_checkpoint(
-            ckpt_dir, epoch, run.core, run.optimizers, run.schedulers, run.history, run.fingerprint, run.config
-        )
+            ckpt_dir, epoch, run.core, run.optimizers, run.schedulers, run.history, run.fingerprint, run.config,
+            run.notes.append,
+        )  # fmt: skip
     run.ranks.barrier()
 
 
