@@ -297,6 +297,13 @@ def archive_corrupt(path: Path, archive_dir: Path, why: str, log: Callable[[str]
     return target
 
 
+def read_error_keeping(error: OSError, path: Path, what: str, remedy: str) -> OSError:
+    """The error to raise when reading ``what`` at ``path`` failed with ``error`` (EIO, EACCES, ESTALE, ENOSPC, ...):
+    same type and errno, naming the file and saying it was kept. A read error is never corruption: a disk, mount or
+    permission problem must not turn into setting the file aside or computing its contents again."""
+    return type(error)(error.errno, f"cannot read {what} {path} ({error.strerror or error}); {remedy}", str(path))
+
+
 # Writers that wrap the OS error in their own exception (polars raises ComputeError "... No space left on device
 # (os error 28)") are recognized by the message.
 _DISK_FULL_TEXT = ("os error 28)", "os error 122)", "No space left on device", "Disk quota exceeded")

@@ -110,12 +110,8 @@ def read_finished_parquet(path: Path, archive_dir: Path, log: Log) -> pl.DataFra
     except FileNotFoundError:
         return None
     except OSError as error:
-        raise type(error)(
-            error.errno,
-            f"cannot read the finished file {path} ({error.strerror}); it is kept as it is and nothing was "
-            "regenerated: fix the disk, mount or permissions and run again",
-            str(path),
-        ) from error
+        remedy = "it is kept as it is and nothing was regenerated: fix the disk, mount or permissions and run again"
+        raise storage.read_error_keeping(error, path, "the finished file", remedy) from error
     except MemoryError as error:
         raise MemoryError(f"out of memory reading the finished file {path}; it is kept as it is") from error
     why = parquet_corruption(data)

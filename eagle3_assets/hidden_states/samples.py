@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_assets.hidden_states import storage_format
-from eagle3_assets.storage import DataLayout, DiskSpaceError, atomic_path
+from eagle3_assets.storage import DataLayout, DiskSpaceError, atomic_path, read_error_keeping
 
 if TYPE_CHECKING:
     import polars as pl
@@ -172,12 +172,8 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
     except OSError as error:
         # A read error is not corruption (EIO, EACCES, a stale NFS handle): fail naming the file and keep it, so a
         # disk or mount problem never turns into deleting and recomputing the partition's samples.
-        raise type(error)(
-            error.errno,
-            f"cannot read the stored sample file {path} ({error.strerror or error}); it is kept as it is: fix the "
-            "disk, mount or permissions and run again",
-            str(path),
-        ) from error
+        remedy = "it is kept as it is: fix the disk, mount or permissions and run again"
+        raise read_error_keeping(error, path, "the stored sample file", remedy) from error
     except MemoryError as error:
         raise MemoryError(f"out of memory reading the stored sample file {path}; it is kept as it is") from error
     except Exception as error:  # safetensors' own error: the bytes are not a valid sample file (bad header, size)

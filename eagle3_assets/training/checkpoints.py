@@ -47,6 +47,7 @@ from eagle3_assets.storage import (
     atomic_path,
     ensure_free_space,
     fsync_dir,
+    read_error_keeping,
     replace_dir_atomic,
     write_json_atomic,
 )
@@ -97,12 +98,8 @@ def _resume_candidates(ckpt_dir: Path) -> list[Path]:
     except FileNotFoundError:
         return []
     except OSError as error:
-        raise type(error)(
-            error.errno,
-            f"cannot list the checkpoints in {ckpt_dir} ({error.strerror}); every checkpoint is kept and training "
-            "did not start: fix the disk, mount or permissions and run draft_model again",
-            str(ckpt_dir),
-        ) from error
+        remedy = "every checkpoint is kept and training did not start: fix the disk, mount or permissions and run "
+        raise read_error_keeping(error, ckpt_dir, "the checkpoints folder", remedy + "draft_model again") from error
     return list_checkpoints(ckpt_dir)
 
 
@@ -176,12 +173,11 @@ def _read_checkpoint(path: Path) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as error:
-        raise type(error)(
-            error.errno,
-            f"cannot read the checkpoint {path} ({error.strerror}); every checkpoint is kept and training did not "
-            "start: fix the disk, mount or permissions and run draft_model again (it resumes from this checkpoint)",
-            str(path),
-        ) from error
+        remedy = (
+            "every checkpoint is kept and training did not start: fix the disk, mount or permissions and run "
+            "draft_model again (it resumes from this checkpoint)"
+        )
+        raise read_error_keeping(error, path, "the checkpoint", remedy) from error
     except MemoryError as error:
         raise MemoryError(
             f"out of memory reading the checkpoint {path}; every checkpoint is kept: free memory and run again"
