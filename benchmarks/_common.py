@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,3 +75,33 @@ def dagster_process(
             from eagle3_assets.local.process_group import stop_process_group
 
             stop_process_group(proc.pid, grace_s=30.0, process=proc)
+
+
+class GpuMemory:
+    """Peak used GPU memory (MiB, every GPU and process) from nvidia-smi every 0.2 s; None without nvidia-smi."""
+
+    def __init__(self) -> None:
+        self.peak: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            used = sum(int(x) for x in out.stdout.split() if x.strip().isdigit())
+            self.peak = max(self.peak or 0.0, float(used))
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> GpuMemory:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()

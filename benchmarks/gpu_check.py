@@ -22,41 +22,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import _common
 
 LAYERS = [1, 2, 3]
-
-
-class GpuMemorySampler:
-    """Peak used GPU memory (MiB, summed over GPUs) from nvidia-smi, sampled every 0.2 s while active."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            used = sum(int(x) for x in out.stdout.split() if x.strip().isdigit())
-            self.peak = max(self.peak, used)
-            time.sleep(0.2)
-
-    def __enter__(self) -> GpuMemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _partition(root: Path, samples: int) -> object:
@@ -103,7 +74,7 @@ def check_vllm(verifier: Path, root: Path, samples: int) -> tuple[str, float, fl
         return f"vllm: skipped, no CUDA vLLM at {python} ({probe.stderr.strip().splitlines()[-1:]})"
     layout = _partition(root, samples)
     storage = root / "transfer"
-    with GpuMemorySampler() as memory:
+    with _common.GpuMemory() as memory:
         server = start_extraction_server(verifier, LAYERS, storage, dtype="bfloat16", max_model_len=2049)
         try:
             options = VLLMBackendOptions(urls=(server.base_url,), storage_path=str(storage), concurrency=64)
@@ -114,7 +85,7 @@ def check_vllm(verifier: Path, root: Path, samples: int) -> tuple[str, float, fl
             server.stop()
     tokens = sum(r.tokens_computed for r in results)
     seconds = sum(r.extract_seconds for r in results)
-    return "vllm bf16", tokens / seconds, seconds, float(memory.peak)
+    return "vllm bf16", tokens / seconds, seconds, float(memory.peak or 0.0)
 
 
 def check_training(verifier: Path, root: Path, samples: int) -> tuple[str, float, float, float]:
@@ -129,10 +100,10 @@ def check_training(verifier: Path, root: Path, samples: int) -> tuple[str, float
     build_vocab_mapping(layout, keys[:2], draft_vocab_size=512, target_vocab_size=4096)
     config = TrainConfig(epochs=2, tokens_per_batch=8192, device="cuda")
     spec = TrainSpec(str(layout.root), keys[:2], keys[2], str(verifier), asdict(config), str(root / "result.json"))
-    with GpuMemorySampler() as memory:
+    with _common.GpuMemory() as memory:
         result = run_training_processes(spec, 2, root)
     seconds = result.seconds_per_step * result.steps
-    return f"train {result.ranks} ranks", result.tokens_trained / seconds, seconds, float(memory.peak)
+    return f"train {result.ranks} ranks", result.tokens_trained / seconds, seconds, float(memory.peak or 0.0)
 
 
 def main() -> int:

@@ -39,10 +39,8 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -51,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import learning_curve as lc
+
+import _common
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {
@@ -97,43 +97,13 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-class GpuMemory:
-    """Peak used GPU memory (MiB, every GPU and process) from nvidia-smi every 0.2 s; None without nvidia-smi."""
-
-    def __init__(self) -> None:
-        self.peak: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.available = shutil.which("nvidia-smi") is not None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            used = sum(int(x) for x in out.stdout.split() if x.strip().isdigit())
-            self.peak = max(self.peak or 0.0, float(used))
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> GpuMemory:
-        if self.available:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self.available:
-            self._thread.join()
-
-
 @contextmanager
 def stage(report: Report, name: str) -> Iterator[Row]:
     """Time a stage and sample the GPU's memory while it runs; the caller fills tokens and notes."""
     row = Row(name, 0.0)
     print(f"{name} ...", flush=True)
     started = time.perf_counter()
-    with GpuMemory() as memory:
+    with _common.GpuMemory() as memory:
         yield row
     row.seconds = time.perf_counter() - started
     row.peak_gpu_mib = memory.peak
