@@ -16,12 +16,9 @@ the real entry point, ``generate_partition``.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -30,7 +27,7 @@ import pytest
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
-from support.common import REPO_ROOT, child_env, reaped
+from support.bounded_bodies import child_report_watching_memory
 from support.reliability import make_prompts, quick_config
 
 KEY = "00000"
@@ -122,36 +119,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _resident_mb(pid: int) -> float:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:  # it just ended
-        return 0.0
-    found = re.search(r"VmRSS:\s+(\d+)", status)
-    return int(found[1]) / 1024 if found else 0.0
-
-
 def _generate_in_child(url: str, layout: DataLayout, settings: dict[str, Any], script: str = _CHILD) -> dict[str, Any]:
     """Run the child (``script``); kill it (and fail) if it grows past KILL_GROWTH_MB. Returns its report."""
     argv = [sys.executable, "-c", script, url, str(layout.root), KEY, str(PROMPTS), json.dumps(settings)]
-    child = subprocess.Popen(
-        argv, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    with reaped(child):
-        assert child.stdout is not None
-        first = child.stdout.readline()
-        assert first.startswith("BASELINE "), first + child.stdout.read()
-        baseline = float(first.split()[1])
-        ends = time.monotonic() + 90
-        while child.poll() is None and time.monotonic() < ends:
-            grown = _resident_mb(child.pid) - baseline
-            if grown > KILL_GROWTH_MB:
-                child.kill()
-                pytest.fail(f"the generating process grew by {grown:.0f} MB (over {KILL_GROWTH_MB} MB): killed")
-            time.sleep(0.01)
-        output = child.stdout.read()
-        assert child.wait(timeout=5) == 0, output
-    return json.loads(output.strip().splitlines()[-1])
+    return child_report_watching_memory(argv, "the generating process", KILL_GROWTH_MB, 90)
 
 
 @TRANSPORTS

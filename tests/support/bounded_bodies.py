@@ -129,6 +129,12 @@ def run_in_child(
     everything is imported), ``peak_mb`` (VmHWM at the end) and ``wall_s``. The child is killed, and
     :class:`GrewTooMuch` raised, once it grows past ``kill_growth_mb`` (an unbounded body takes gigabytes)."""
     argv = [sys.executable, "-m", "support.bounded_bodies", client, url, json.dumps(settings)]
+    return child_report_watching_memory(argv, f"the {client} process", kill_growth_mb, limit_s)
+
+
+def child_report_watching_memory(argv: list[str], what: str, kill_growth_mb: float, limit_s: float) -> dict[str, Any]:
+    """Run ``argv`` (a child that prints ``BASELINE <MB>`` once loaded, then its JSON report as its last line),
+    killing it, and raising :class:`GrewTooMuch`, once its resident memory grows past ``kill_growth_mb``."""
     child = subprocess.Popen(
         argv, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -142,7 +148,7 @@ def run_in_child(
             grown = memory_mb("VmRSS", child.pid) - baseline
             if grown > kill_growth_mb:
                 child.kill()
-                raise GrewTooMuch(f"the {client} process grew by {grown:.0f} MB (over {kill_growth_mb} MB): killed")
+                raise GrewTooMuch(f"{what} grew by {grown:.0f} MB (over {kill_growth_mb} MB): killed")
             time.sleep(0.01)
         output = child.stdout.read()
         assert child.wait(timeout=5) == 0, output
