@@ -165,7 +165,9 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
     local CPU vLLM started here on the verifier (stopped at the end)."""
     from contextlib import nullcontext
 
-    from eagle3_assets.generation import GenerationConfig, generate_partition
+    from eagle3_assets.generation import GenerationConfig
+    from eagle3_assets.generation.fullness import ServerFullness
+    from eagle3_assets.generation.partition import generate_partitions
     from eagle3_assets.generation.records import PromptToGenerate
     from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
@@ -183,12 +185,19 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
         config = GenerationConfig(
             base_urls=(url,), max_tokens=args.max_tokens, temperature=0.0, concurrency=args.concurrency
         )
-        for key, items in missing.items():
-            prompts = [PromptToGenerate(p["id"], [{"role": "user", "content": p["prompt"]}]) for p in items]
-            result = generate_partition(prompts, key, layout, config, log=lambda s: None)
+        prompts = {
+            key: [PromptToGenerate(p["id"], [{"role": "user", "content": p["prompt"]}]) for p in items]
+            for key, items in missing.items()
+        }
+        # overlapped as the daemon's backfill runs them: no partition's tail drains the server
+        with ServerFullness(url, args.concurrency) as fullness:
+            results = generate_partitions(prompts, layout, config, log=lambda s: None)
+        for key, result in results.items():
             print(
                 f"  {key}: {result.ok} ok, {result.failed} failed, {result.output_tokens_per_s:.0f} tok/s", flush=True
             )
+        if fullness.report is not None:
+            print(f"  {fullness.report.line('generation')}", flush=True)
 
 
 def write_partition(layout: Any, key: str, rows: list[dict[str, Any]]) -> None:

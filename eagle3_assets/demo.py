@@ -17,10 +17,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets import settings
 from eagle3_assets.precision import fastest_cpu_precision
+
+if TYPE_CHECKING:
+    from eagle3_assets.generation.fullness import ServerFullness
 
 # Sized so the demo ends in minutes on 2 cores: the tiny model answers in ~90 tokens on average, greedy
 # so the trained draft is measured on the outputs it was trained to predict.
@@ -155,6 +158,8 @@ def _failure(result: Any) -> str:
     """The first step failure's message (the full stack trace is in the log file)."""
     for event in result.all_events:
         error = getattr(event.event_specific_data, "error", None)
+        while error is not None and error.cause is not None and "Error occurred while executing" in error.message:
+            error = error.cause  # Dagster's wrapper around the asset's own error: name the asset's error
         if error is not None and error.message:
             line = error.message.strip().splitlines()[0]
             prefix, _, rest = line.partition(": ")  # "package.module.ErrorClass: text" -> "text"
@@ -171,18 +176,27 @@ def _rows(result: Any) -> str:
     return ""
 
 
+# The asset whose partitions run overlapped (generation.partition.OVERLAPPED_PARTITIONS at a time), as under the
+# daemon's backfill: the server never idles on a tail between partitions. Every other asset runs its partitions one
+# after another: they compute in this process's cores, where two at a time only contend.
+GENERATION_ASSET = "synthetic_responses"
+
+
 def run_stages(
     defs: Any,
     instance: Any,
     say: Callable[[str], None],
     run_config_for: Callable[[str], dict[str, Any] | None],
     only: Sequence[str] | None = None,
+    watch_server: Callable[[str], ServerFullness | None] = lambda _name: None,
 ) -> list[tuple[str, str, float]]:
     """Materialize every asset (every partition of the partitioned ones) in dependency order, one progress
-    line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows."""
+    line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows.
+    ``watch_server(name)``: a server whose fullness the stage ``name`` reports in one more line (or None)."""
 
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
+    from eagle3_assets.generation.partition import OVERLAPPED_PARTITIONS
 
     graph = defs.resolve_asset_graph()
     timings: list[tuple[str, str, float]] = []
@@ -193,17 +207,56 @@ def run_stages(
         run_config = run_config_for(name)
         partitioned = graph.get(key).partitions_def is not None
         keys = instance.get_dynamic_partitions(PROMPT_PARTITIONS.name) if partitioned else [None]
+        fullness = watch_server(name)
         started = time.monotonic()
-        for i, partition_key in enumerate(keys, start=1):
-            step = time.monotonic()
-            result = materialize_asset(defs, instance, key, partition_key, run_config, raise_on_error=False)
-            where = f" partition {partition_key} ({i}/{len(keys)})" if partition_key else ""
-            if not result.success:
-                say(f"{name}{where}: FAILED: {_failure(result)}")
-                raise SystemExit(f"{name} failed (run {result.run_id}); fix it, then re-run make demo")
-            say(f"{name}{where}: ok in {time.monotonic() - step:.1f} s{_rows(result)}")
+        if fullness is not None:
+            fullness.start()
+        try:
+            at_once = OVERLAPPED_PARTITIONS if name == GENERATION_ASSET else 1
+            _run_partitions(defs, instance, say, name, key, keys, run_config, at_once)
+        finally:
+            if fullness is not None:
+                say(fullness.stop().line(name))
         timings.append((name, str(len(keys)) if partitioned else "-", time.monotonic() - started))
     return timings
+
+
+def _run_partitions(
+    defs: Any,
+    instance: Any,
+    say: Callable[[str], None],
+    name: str,
+    key: Any,
+    partition_keys: Sequence[str | None],
+    run_config: dict[str, Any] | None,
+    at_once: int,
+) -> None:
+    """One run per partition and a progress line as each ends; raises SystemExit naming the first failure. With
+    ``at_once`` > 1, that many runs at a time, each in its own process (operations/partition_runs.py says why),
+    started and reported in key order; a failure starts no further run and waits for those already going."""
+    failed: list[str] = []
+
+    def report(i: int, partition_key: str | None, result: Any, seconds: float) -> bool:
+        where = f" partition {partition_key} ({i}/{len(partition_keys)})" if partition_key else ""
+        if result.success:
+            say(f"{name}{where}: ok in {seconds:.1f} s{_rows(result)}")
+            return True
+        say(f"{name}{where}: FAILED: {_failure(result)}")
+        failed.append(f"{name} failed (run {result.run_id}); fix it, then re-run make demo")
+        return False
+
+    if at_once > 1 and None not in partition_keys:
+        from eagle3_assets.operations.partition_runs import run_partitions
+
+        run_partitions(instance, name, [str(k) for k in partition_keys], run_config, at_once, report)
+    else:
+        for i, partition_key in enumerate(partition_keys, start=1):
+            step = time.monotonic()
+            result = materialize_asset(defs, instance, key, partition_key, run_config, raise_on_error=False)
+            if not report(i, partition_key, result, time.monotonic() - step):
+                break
+    if failed:
+        raise SystemExit(failed[0])
 
 
 def materialize_asset(
@@ -261,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 defs = build_definitions()
                 with dg.DagsterInstance.get() as instance:
                     config_for = _real_run_config if args.real else _run_config
-                    timings += run_stages(defs, instance, say, config_for)
+                    timings += run_stages(defs, instance, say, config_for, watch_server=_fullness_of(server))
             finally:
                 if not args.keep_server:
                     server.stop()
@@ -270,6 +323,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     _summary(data_dir, timings, log_path, real=args.real)
     return 0
+
+
+def _fullness_of(server: Any) -> Callable[[str], ServerFullness | None]:
+    """The demo's own server watched while ``synthetic_responses`` generates, against its target concurrency."""
+    from eagle3_assets.defs.registry import env_value
+    from eagle3_assets.generation.fullness import ServerFullness
+
+    target = int(env_value("EAGLE3_CONCURRENCY"))
+    return lambda name: ServerFullness(server.base_url, target) if name == GENERATION_ASSET else None
 
 
 def _run_config(name: str) -> dict[str, Any] | None:

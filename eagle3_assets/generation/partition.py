@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,33 @@ def _stale_reasons(
                     reasons[why] += 1
                     break
     return reasons
+
+
+# Partitions a command generates at once: the next one queues its requests while the one before drains (the
+# capacity line gives the lower key the room), so the server is never left to drain a tail between partitions.
+OVERLAPPED_PARTITIONS = 2
+
+
+def generate_partitions(
+    prompts_by_key: Mapping[str, Sequence[PromptToGenerate]],
+    layout: DataLayout,
+    config: GenerationConfig,
+    log: Log = print,
+    at_once: int = OVERLAPPED_PARTITIONS,
+) -> dict[str, GenerationResult]:
+    """:func:`generate_partition` for every key of ``prompts_by_key``, ``at_once`` of them at a time, started in
+    key order: what the daemon's backfill does with one run per partition, for commands that generate several
+    partitions in one process (the learning curve, the engine benchmark). Returns each key's result; the first
+    failure is raised once the partitions already going have ended (no new one starts after it)."""
+    keys = sorted(prompts_by_key)
+    results: dict[str, GenerationResult] = {}
+    with ThreadPoolExecutor(max_workers=max(1, at_once), thread_name_prefix="generate") as pool:
+        futures = {key: pool.submit(generate_partition, prompts_by_key[key], key, layout, config, log) for key in keys}
+        try:
+            for key in keys:
+                results[key] = futures[key].result()
+        except BaseException:
+            for future in futures.values():
+                future.cancel()
+            raise
+    return results

@@ -10,8 +10,6 @@ import pytest
 
 from eagle3_assets import demo
 from eagle3_assets.definitions import build_definitions
-from eagle3_assets.defs.inference import RemoteVLLMResource
-from eagle3_assets.defs.registry import default_resources
 from fake_vllm import FakeConfig, serve_in_thread
 from support.operations import write_prompts
 
@@ -26,8 +24,10 @@ def test_stages_print_one_line_per_partition_and_log_everything_else(
     log = tmp_path / "demo.log"
     lines: list[str] = []
     with serve_in_thread(FakeConfig(token_rate=20000, median_tokens=20)) as base_url:
-        resources = {**default_resources(), "inference_server": RemoteVLLMResource(base_url=base_url, concurrency=8)}
-        defs = build_definitions(resources)
+        # the generation partitions run in processes of their own, with the definitions the environment builds
+        monkeypatch.setenv("EAGLE3_VLLM_BASE_URL", base_url)
+        monkeypatch.setenv("EAGLE3_CONCURRENCY", "8")
+        defs = build_definitions()
         with dg.instance_for_test() as instance, demo.output_to(log) as say:
             os.write(2, b"a subprocess writing to fd 2\n")  # noise of any kind goes to the log
             print("a stray print")

@@ -1,0 +1,87 @@
+"""``make demo``/``demo-real`` and the learning curve keep the server full across partitions (issue 33 item 3):
+the next partition's requests are queued while the one before drains, as under the daemon's backfill, and the
+command says how full the server was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from eagle3_assets import demo
+from eagle3_assets.definitions import build_definitions
+from eagle3_assets.generation import GenerationConfig, PromptToGenerate
+from eagle3_assets.generation.fullness import ServerFullness
+from eagle3_assets.generation.partition import generate_partitions
+from eagle3_assets.storage import DataLayout
+from fake_vllm import FakeConfig, serve_in_thread
+from support.operations import write_prompts
+
+# ~3 s per answer, 8 slots: each partition of 16 lasts two waves, longer than a run process takes to start (~3 s)
+SLOW = FakeConfig(token_rate=100, median_tokens=300, sigma=0.5, max_num_seqs=8)
+
+
+def spans(data_dir: Path) -> dict[str, tuple[float, float]]:
+    """Per partition: (first request sent, last answer back), from the rows' own timestamps."""
+    frames = [pl.read_parquet(path) for path in sorted((data_dir / "synthetic_responses").glob("*.parquet"))]
+    frame = pl.concat(frames).with_columns(sent=pl.col("finished_at") - pl.col("latency_s"))
+    grouped = frame.group_by("partition_key").agg(pl.col("sent").min(), pl.col("finished_at").max())
+    return {row[0]: (row[1], row[2]) for row in grouped.sort("partition_key").iter_rows()}
+
+
+def assert_overlapped(spans_by_key: dict[str, tuple[float, float]]) -> None:
+    """From the first request to the last answer some partition always had requests out: no partition's tail was
+    drained alone before the next one started (whichever order the runs took the room in)."""
+    assert len(spans_by_key) == 3
+    ordered = sorted(spans_by_key.values())
+    covered_until = ordered[0][1]
+    for sent, answered in ordered[1:]:
+        assert sent < covered_until, (sent, covered_until, spans_by_key)
+        covered_until = max(covered_until, answered)
+
+
+def test_demo_overlaps_generation_partitions_and_reports_fullness(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset = write_prompts(tmp_path, 48)
+    monkeypatch.setenv("EAGLE3_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("EAGLE3_PROMPTS_PATH", str(dataset))
+    monkeypatch.setenv("EAGLE3_PARTITION_SIZE", "16")
+    lines: list[str] = []
+    with serve_in_thread(SLOW) as base_url:
+        # each partition runs in its own process, with the definitions the environment builds (as the demo's)
+        monkeypatch.setenv("EAGLE3_VLLM_BASE_URL", base_url)
+        monkeypatch.setenv("EAGLE3_CONCURRENCY", "8")
+        with dg.instance_for_test() as instance:
+
+            def watch(name: str) -> ServerFullness | None:
+                return ServerFullness(base_url, 8, interval_s=0.05) if name == demo.GENERATION_ASSET else None
+
+            demo.run_stages(
+                build_definitions(), instance, lines.append, lambda _n: None,
+                only=["raw_prompts", "synthetic_responses"], watch_server=watch,
+            )  # fmt: skip
+    # one line per partition, in key order, then the fullness line
+    assert [line.split(":")[0] for line in lines[1:4]] == [
+        f"synthetic_responses partition 0000{i} ({i + 1}/3)" for i in range(3)
+    ]
+    assert lines[4].startswith("server fullness during synthetic_responses: ") and " of 8 requests running" in lines[4]
+    assert_overlapped(spans(tmp_path / "data"))
+
+
+def test_generate_partitions_overlaps_and_returns_every_result(tmp_path: Path) -> None:
+    layout = DataLayout.at(tmp_path / "data")
+    prompts = {
+        f"0000{k}": [PromptToGenerate(f"s{k}-{i}", [{"role": "user", "content": f"q {k} {i}"}]) for i in range(16)]
+        for k in range(3)
+    }
+    with serve_in_thread(SLOW) as base_url:
+        config = GenerationConfig(base_urls=(base_url,), max_tokens=1024, concurrency=8)
+        with ServerFullness(base_url, 8, interval_s=0.05) as fullness:
+            results = generate_partitions(prompts, layout, config, log=lambda _s: None)
+    assert {key: (r.ok, r.failed) for key, r in results.items()} == {key: (16, 0) for key in prompts}
+    assert_overlapped(spans(tmp_path / "data"))
+    report = fullness.report
+    assert report is not None and report.readings > 0 and 0 < report.share <= 1.0
