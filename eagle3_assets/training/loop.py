@@ -197,7 +197,10 @@ def _prepare(
     sources = {"online": online, "config": config}
     train_dirs = [dirs[k] for k in train_keys]  # pinned versions
     train_loader = make_loader(train_dirs, *loader_args, ranks=ranks, **sources, loss_on=config.loss_on)
-    val_loader = make_loader([dirs[val_key]], config.tokens_per_batch, *loader_args[1:], **sources)
+    # validated under the loss mask it trains with: the validation loss and accuracies measure what is optimized
+    val_loader = make_loader(
+        [dirs[val_key]], config.tokens_per_batch, *loader_args[1:], **sources, loss_on=config.loss_on
+    )
     steps = len(train_loader)
     if config.max_steps_per_epoch is not None:
         steps = min(steps, config.max_steps_per_epoch)

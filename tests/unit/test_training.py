@@ -190,3 +190,18 @@ def test_loss_on_all_covers_prompt_positions_and_keeps_old_fingerprints(data: Da
     assert TrainConfig(loss_on="all").fingerprint_fields()["loss_on"] == "all"
     with pytest.raises(ConfigError, match="loss_on='prompts'"):
         TrainConfig(loss_on="prompts").validate()
+
+
+def test_validation_runs_under_the_loss_mask_the_draft_trains_with(
+    data: DataLayout, verifier: Path, tmp_path: Path
+) -> None:
+    """``loss_on="all"`` validates over every position too (issue 32: validation ignored it, so the validation loss
+    was over assistant positions while training optimized all of them). The untrained draft is the same seeded model
+    under both settings: its validation loss differs only when the validation mask does."""
+    untrained = {}
+    for loss_on in ("assistant", "all"):
+        layout = _copy_layout(data, tmp_path / loss_on)
+        config = TrainConfig(**{**FAST.__dict__, "epochs": 1, "max_steps_per_epoch": 1, "loss_on": loss_on})
+        untrained[loss_on] = train_draft(layout, KEYS[:2], KEYS[2], verifier, config, log=lambda _s: None)
+    assistant, every = (untrained[k].val_loss_untrained for k in ("assistant", "all"))
+    assert assistant != pytest.approx(every, rel=1e-3), (assistant, every)
