@@ -36,7 +36,7 @@ ifneq ($(call venv_stale,$(VENV_VLLM)),)
 $(VENV_VLLM)/.installed: accel-changed
 endif
 
-.PHONY: help install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real clean-data backfill-missing sync status bench-overhead lock-cuda accel-changed
+.PHONY: help install install-vllm install-browser install-postgres test test-fast lint dev counts demo demo-real recipe clean-data backfill-missing sync status bench-overhead lock-cuda accel-changed
 
 ## help: this list (every target's `## name:` line)
 help:
@@ -125,6 +125,15 @@ demo-real: install install-vllm
 	cp -n dagster_home/dagster.yaml $(REAL_DATA_DIR)/_dagster_home/ || true
 	EAGLE3_DATA_DIR=$(REAL_DATA_DIR) DAGSTER_HOME=$(REAL_DATA_DIR)/_dagster_home \
 		$(VENV)/bin/eagle3 demo --real $(if $(SAMPLES),--samples $(SAMPLES))
+
+## recipe: demo-real's stages and settings on 2,700 ShareGPT rows (~2,250 training samples) in one run, in
+##   data-recipe/; resumable (run it again after a stop); writes docs/measurements/recipe_<commit>.json
+RECIPE_DATA_DIR ?= $(CURDIR)/data-recipe
+recipe: install install-vllm
+	mkdir -p $(RECIPE_DATA_DIR)/_dagster_home
+	cp -n dagster_home/dagster.yaml $(RECIPE_DATA_DIR)/_dagster_home/ || true
+	EAGLE3_DATA_DIR=$(RECIPE_DATA_DIR) DAGSTER_HOME=$(RECIPE_DATA_DIR)/_dagster_home \
+		$(VENV)/bin/eagle3 demo --recipe --measurements $(CURDIR)/docs/measurements
 
 ## clean-data: delete EAGLE3_DATA_DIR (every asset's files; DAGSTER_HOME is kept)
 clean-data:

@@ -11,6 +11,7 @@ Paths come from EAGLE3_DATA_DIR (data, the tiny model, server logs) and DAGSTER_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -74,6 +75,10 @@ REAL_ENV = {
     "EAGLE3_TEMPERATURE": "0",
     "EAGLE3_REQUEST_TIMEOUT_S": "900",
 }
+# `eagle3 demo --recipe` (make recipe): the same stages and settings on more data, in one run that writes one
+# measurement file: ~2,470 rows kept of 2,700 read (ShareGPT's rejects), nine training partitions of 250 and the
+# last (~220) held out
+RECIPE_SAMPLES = 2700
 REAL_ASSET_CONFIG: dict[str, dict[str, object]] = {
     "vocab_mapping": {"draft_vocab_size": 8192},
     # the recipe docs/real_model.md measured side by side: 2,048-token steps, lr 1e-3, the loss on every position
@@ -124,7 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="SmolLM2-135M-Instruct on ShareGPT first turns instead of the tiny verifier on the shipped sample",
     )
     parser.add_argument(
-        "--samples", type=int, default=REAL_SAMPLES, help=f"--real: ShareGPT rows read (default {REAL_SAMPLES})"
+        "--recipe",
+        action="store_true",
+        help=f"--real on {RECIPE_SAMPLES} ShareGPT rows, its measurement file named recipe_<commit>.json",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help=f"--real: ShareGPT rows read (default {REAL_SAMPLES}; {RECIPE_SAMPLES} with --recipe)",
+    )
+    parser.add_argument(
+        "--run", default=None, help="the run's name in its measurement file's name (default: demo, or demo-real)"
+    )
+    parser.add_argument(
+        "--measurements",
+        type=Path,
+        default=None,
+        help="folder of the run's measurement file, {run}_{commit}.json (default: EAGLE3_DATA_DIR/_measurements)",
     )
     return parser
 
@@ -189,10 +211,12 @@ def run_stages(
     run_config_for: Callable[[str], dict[str, Any] | None],
     only: Sequence[str] | None = None,
     watch_server: Callable[[str], ServerFullness | None] = lambda _name: None,
+    on_stage: Callable[[str, str, float, dict[str, Any]], None] | None = None,
 ) -> list[tuple[str, str, float]]:
     """Materialize every asset (every partition of the partitioned ones) in dependency order, one progress
     line per stage and partition; raises SystemExit naming the failed stage. Returns the timing rows.
-    ``watch_server(name)``: a server whose fullness the stage ``name`` reports in one more line (or None)."""
+    ``watch_server(name)``: a server whose fullness the stage ``name`` reports in one more line (or None);
+    ``on_stage(name, partitions, seconds, figures)``: called as each stage ends (the run's measurement file)."""
 
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
@@ -208,6 +232,7 @@ def run_stages(
         partitioned = graph.get(key).partitions_def is not None
         keys = instance.get_dynamic_partitions(PROMPT_PARTITIONS.name) if partitioned else [None]
         fullness = watch_server(name)
+        figures: dict[str, Any] = {}
         started = time.monotonic()
         if fullness is not None:
             fullness.start()
@@ -216,8 +241,12 @@ def run_stages(
             _run_partitions(defs, instance, say, name, key, keys, run_config, at_once)
         finally:
             if fullness is not None:
-                say(fullness.stop().line(name))
+                report = fullness.stop()
+                say(report.line(name))
+                figures["server_fullness"] = {**dataclasses.asdict(report), "share": round(report.share, 3)}
         timings.append((name, str(len(keys)) if partitioned else "-", time.monotonic() - started))
+        if on_stage is not None:
+            on_stage(*timings[-1], figures)
     return timings
 
 
@@ -283,6 +312,10 @@ def materialize_asset(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv or []))
+    if args.recipe:
+        args.real, args.run = True, args.run or "recipe"
+    if args.samples is None:
+        args.samples = RECIPE_SAMPLES if args.recipe else REAL_SAMPLES
     import dagster as dg
 
     from eagle3_assets.defs.registry import env_value
@@ -302,9 +335,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_path = data_dir / "_logs" / "demo.log"
     log_path.unlink(missing_ok=True)
     print(f"eagle3 demo: the full Dagster event log goes to {log_path}")
+    measurement = _measurement_file(args, data_dir)
+    print(f"eagle3 demo: the run's measurements go to {measurement.path}")
     try:
         with output_to(log_path) as say:
             timings, server = _setup(verifier, data_dir, args.port, say, real=args.real)
+            for name, partitions, seconds in timings:
+                measurement.stage(name, partitions, seconds)
             # draft_evaluation measures the plain verifier on the demo's own server
             os.environ.setdefault("EAGLE3_EVAL_PLAIN_URL", server.base_url)
             os.environ.setdefault("EAGLE3_EVAL_MODEL", server.model_name)
@@ -314,7 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 defs = build_definitions()
                 with dg.DagsterInstance.get() as instance:
                     config_for = _real_run_config if args.real else _run_config
-                    timings += run_stages(defs, instance, say, config_for, watch_server=_fullness_of(server))
+                    timings += run_stages(
+                        defs, instance, say, config_for, watch_server=_fullness_of(server),
+                        on_stage=lambda name, partitions, seconds, figures: measurement.stage(
+                            name, partitions, seconds, **figures
+                        ),
+                    )  # fmt: skip
             finally:
                 if not args.keep_server:
                     server.stop()
@@ -322,7 +364,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eagle3 demo stopped; the full log is {log_path}", file=sys.stderr)
         raise
     _summary(data_dir, timings, log_path, real=args.real)
+    _finish_measurement(measurement, data_dir)
     return 0
+
+
+def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
+    """The run's measurement file: its settings are the environment and run config the demo gave its stages."""
+    from eagle3_assets.operations.measurement import MeasurementFile
+
+    env = REAL_ENV if args.real else DEMO_ENV
+    settings_given = {
+        "environment": {key: os.environ.get(key) for key in sorted({*env, "EAGLE3_PROMPTS_LIMIT", "EAGLE3_PRECISION"})},
+        "asset_config": REAL_ASSET_CONFIG if args.real else DEMO_ASSET_CONFIG,
+    }
+    run = args.run or ("demo-real" if args.real else "demo")
+    return MeasurementFile(args.measurements or data_dir / "_measurements", run, settings_given)
+
+
+def _finish_measurement(measurement: Any, data_dir: Path) -> None:
+    from eagle3_assets import storage
+    from eagle3_assets.evaluation.report import REPORT_JSON
+    from eagle3_assets.training.checkpoints import HISTORY_FILE
+
+    layout = storage.DataLayout.at(data_dir)
+    try:
+        counts = {"rows": storage.partition_row_counts(layout), "responses": storage.response_status_counts(layout)}
+    except Exception as error:  # the counts are a convenience here; `eagle3 counts` names what is unreadable
+        counts = {"error": str(error).splitlines()[0]}
+    path = measurement.finish(
+        data_dir, layout.evaluation_dir / REPORT_JSON, layout.draft_model_dir / HISTORY_FILE, counts
+    )
+    print(f"measurements of this run: {path}")
 
 
 def _fullness_of(server: Any) -> Callable[[str], ServerFullness | None]:

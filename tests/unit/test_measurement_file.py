@@ -1,0 +1,40 @@
+"""A run's measurement file (issue 32 item 1): one file per run and commit, rewritten after every stage so a stopped
+run keeps what it measured, and a resumed run adds to the same file instead of starting a second one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3_assets.evaluation.report import REPORT_JSON
+from eagle3_assets.operations.measurement import MeasurementFile, commit_of
+
+
+def test_stages_are_on_disk_as_they_end_and_a_resumed_run_adds_to_the_same_file(tmp_path: Path) -> None:
+    out = tmp_path / "measurements"
+    first = MeasurementFile(out, "recipe", {"environment": {"EAGLE3_MAX_TOKENS": "256"}}, commit="abc1234")
+    first.stage("raw_prompts", "-", 1.04)
+    first.stage("synthetic_responses", "4", 950.0, server_fullness={"share": 0.97})
+    written = json.loads(first.path.read_text())  # a kill here keeps both stages
+    assert first.path == out / "recipe_abc1234.json"
+    assert written["complete"] is False and written["commit"] == "abc1234"
+    assert written["stages"][0] == {"stage": "raw_prompts", "partitions": "-", "seconds": 1.0}
+    assert written["stages"][1]["server_fullness"] == {"share": 0.97}
+    assert written["machine"]["cores"] >= 1 and written["settings"]["environment"] == {"EAGLE3_MAX_TOKENS": "256"}
+
+    resumed = MeasurementFile(out, "recipe", {}, commit="abc1234")
+    resumed.stage("hidden_states", "4", 240.0)
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / REPORT_JSON).write_text(json.dumps({"online": {"humaneval": 1.9}}))
+    path = resumed.finish(tmp_path, tmp_path / "eval" / REPORT_JSON, tmp_path / "missing.json", {"rows": {}})
+    record = json.loads(path.read_text())
+    assert [s["stage"] for s in record["stages"]] == ["raw_prompts", "synthetic_responses", "hidden_states"]
+    assert len(record["attempts"]) == 2 and record["started"] == written["started"]
+    assert record["complete"] is True and record["seconds_total"] == 1191.0
+    assert record["evaluation"] == {"online": {"humaneval": 1.9}} and record["training"] == {"config": None}
+    assert sorted(p.name for p in out.iterdir()) == ["recipe_abc1234.json"]  # no temporary file left behind
+
+
+def test_the_commit_is_this_checkouts() -> None:
+    commit, _dirty = commit_of()
+    assert commit != "unknown" and len(commit) >= 7
