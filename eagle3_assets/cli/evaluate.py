@@ -1,9 +1,11 @@
 """``eagle3 evaluate``: evaluate a draft (e.g. one trained elsewhere) online in vLLM and offline, print the table.
 
     eagle3 evaluate --draft DIR [--verifier DIR] [--data-dir DIR] [--k 3] [--prompts 32] [--offline-only]
-                    [--prompt-sets held-out,humaneval] [--humaneval-prompts N] [--speed-prompts 8]
+                    [--prompt-sets held-out,humaneval] [--humaneval-prompts N] [--speed-prompts 32]
 
-The report (report.json, report.md) goes to ``DATA_DIR/draft_evaluation/`` (or ``--out``).
+The report (report.json, report.md) goes to ``DATA_DIR/draft_evaluation/`` (or ``--out``). Its table gives each
+draft's batch-1 speed-up as the median of per-prompt ratios (plain and draft requests paired, alternating) with its
+95% bootstrap interval, and a verdict: ``pays`` only where the interval's lower bound is above 1.0.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=int, default=64, help="requests in flight per server for acceptance (default 64)"
     )
     p.add_argument(
-        "--speed-prompts", type=int, default=8, help="tokens/s on each set's first N prompts, batch 1 (default 8)"
+        "--speed-prompts",
+        type=int,
+        default=OnlineConfig.speed_prompts,
+        help="batch-1 speed-up on each set's first N prompts, each sent to the plain verifier and to the draft one "
+        "request at a time, alternating which goes first: the median ratio, its 95%% bootstrap interval and whether "
+        f"the draft pays; 0: none (default {OnlineConfig.speed_prompts})",
     )
     p.add_argument(
         "--request-timeout-s",

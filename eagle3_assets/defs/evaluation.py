@@ -49,7 +49,9 @@ class DraftEvaluationRunConfig(SettingsConfig):
     )
     speed_prompts: int = setting(
         OnlineConfig.speed_prompts,
-        description="Tokens/s with and without the draft on each prompt set's first N prompts, one at a time; 0: none.",
+        description="Batch-1 speed-up on each prompt set's first N prompts, each sent to the plain verifier and to the "
+        "draft one request at a time, alternating which goes first: the median per-prompt ratio with its 95% "
+        "bootstrap interval; the draft pays only where the interval's lower bound is above 1.0. 0: none.",
         ge=0,
     )
     partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
@@ -115,8 +117,13 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
         ("failed", "int", "Online: requests with no reply (timeout, trickled or oversized body, error), in no figure."),
         ("mean_acceptance_length", "float", "1 + accepted tokens per draft, in [1, k+1]."),
         *[(n, "float", f"Drafts whose first {j + 1} tokens were accepted, share.") for j, n in enumerate(positions)],
-        ("tokens_per_second", "float", "Online: output tokens/s with this draft, batch 1."),
-        ("speedup", "float", "Online: tokens/s over the plain verifier's; empty where a speed request failed."),
+        ("tokens_per_second", "float", "Online: output tokens/s with this draft, batch 1 (its paired requests)."),
+        (
+            "speedup",
+            "float",
+            "Online: median per-prompt tokens/s ratio over the plain verifier's (paired requests; the interval and "
+            "the verdict are in report_markdown); empty where a speed request failed.",
+        ),
         ("speed_requests_failed", "int", "Online: failed speed requests, this draft's and the plain verifier's."),
     ]
     records = []

@@ -108,29 +108,30 @@ def _online(
     runs = []
     for name, prompts in prompt_sets.items():
         baseline = result.baseline[name]
-        speed = baseline.speed
+        speed = baseline.speed  # the plain verifier's side of every draft's paired speed batch
         speed_failed = len(speed.failures) if speed is not None else 0
         runs.append(
             OnlineRun(
                 prompts=len(prompts),
                 max_tokens=cfg.max_tokens,
                 baseline_output_tokens=speed.output_tokens if speed is not None else 0,
-                # a failed request's wall time is in the batch's, its tokens are not: no tokens/s from such a batch
+                # its answered requests' seconds; with one failed, no tokens/s (the stricter rule, as the drafts')
                 baseline_seconds=speed.seconds if speed is not None and not speed_failed else 0.0,
                 mismatches=result.mismatches[name],
                 server_startup_s=result.startup_s,
                 prompt_set=name,
                 concurrency=cfg.concurrency,
-                speed_prompts=len(speed.generations) if speed is not None else 0,
+                speed_prompts=min(cfg.speed_prompts, len(prompts)) if speed is not None else 0,
                 failed=len(baseline.failures),
                 speed_failed=speed_failed,
             )
         )
     if any(run.speed_failed for run in runs) or any(s.speed_failed for s in result.stats):
         notes.append(
-            "online speed: tok/s only from a speed batch whose every request was answered (a failed request keeps "
-            "its wall time in the batch but adds no tokens); where one failed, that tok/s and the speed-ups over it "
-            "are withheld, and the rows say how many failed"
+            "online speed: a speed-up only from paired speed requests all answered on both sides, and tok/s only from "
+            "a side whose every speed request was answered; where one failed, its prompt is left out of the ratios, "
+            "that tok/s and the speed-ups over it are withheld (not computed from the surviving pairs), and the rows "
+            "say how many failed"
         )
     return result.stats, runs
 

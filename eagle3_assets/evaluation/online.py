@@ -1,33 +1,34 @@
 """Online acceptance: the draft in vLLM's EAGLE-3 speculative decoding, counted from the evaluation's own requests.
 
 The same prompts (every named prompt set: ``prompt_sets.py``) go, at temperature 0, to the plain verifier and to the
-verifier with each draft (``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``),
-one server at a time so their tokens/s are measured on an otherwise identical machine. Acceptance is summed from the
-per-request speculative metrics each response carries (``metrics.speculative_decoding``: vLLM's
-``--per-request-spec-decode-metrics summary``), never from the server-wide ``/metrics`` counters, which every other
-client of a shared server moves too. The servers the evaluation starts itself get that flag; a server given by URL
-must have it, or the evaluation stops saying so. Requests carry the API key of the generation setting. Greedy outputs
-with a draft must equal the plain verifier's token for token: speculative decoding is lossless at temperature 0, so
-any difference is a bug (in the draft's config, the engine, or the comparison) and is reported per prompt.
+verifier with each draft (``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``).
+Acceptance is summed from the per-request speculative metrics each response carries (``metrics.speculative_decoding``:
+vLLM's ``--per-request-spec-decode-metrics summary``, which the servers started here get and a server given by URL
+must have), never from the server-wide ``/metrics`` counters that every client of a shared server moves. Requests
+carry the generation setting's API key. Greedy outputs with a draft must equal the plain verifier's token for token
+(speculative decoding is lossless at temperature 0): any difference is a bug, reported per prompt.
 
-Per prompt set and server, two batches: the *acceptance* batch, every prompt of the set ``concurrency`` at a time
-(acceptance does not depend on the batch, so the fastest concurrency is used), and the *speed* batch, the first
-``speed_prompts`` one at a time: speculative decoding pays off when decoding is latency-bound, and one sequence at a
-time makes tokens/s comparable between runs. The speed-up is the speed batch's tokens/s over the plain verifier's.
+Per prompt set, two kinds of batch. The *acceptance* batch: every prompt, ``concurrency`` at a time, on the plain
+verifier and on each draft's server (acceptance does not depend on the batch). The *paired speed* batch, per draft:
+the plain verifier's server stays up beside each draft's (a local one is started once, stopped after the last
+draft), and each of the first ``speed_prompts`` prompts goes once to each server, one request at a time (batch 1,
+where decoding is latency-bound and drafts pay off), the plain verifier first on an even index and the draft first
+on an odd one, so drift and warm-up hit both sides alike (two servers measured minutes apart gave the same draft
+0.98 and 1.37). Each request is timed on its own; a prompt's ratio is the draft's tokens/s over the plain verifier's
+on it, and the report gives the median ratio with a 95% bootstrap interval (``report.speedup_interval``) and says
+the draft *pays* only where the interval's lower bound is above 1.0.
 
-Each request is bounded in time (the whole request, every byte of the reply, within ``request_timeout_s``: a server
-or proxy that trickles a body stays under any per-read timeout) and in size (the reply limit of ``max_tokens``,
-:func:`eagle3_assets.generation.replies.reply_limit`). A request that fails (that way, or any other) is counted as
-failed (``failed`` in its stats) and in no acceptance, speed or mismatch; a batch whose every request failed stops
-the evaluation naming the server and the error. Tokens/s comes only from a speed batch whose every request was
-answered (``speed_failed`` 0): a batch's tokens/s is its tokens over its wall time, and a failed request adds no
-tokens but keeps its time (up to ``request_timeout_s``) in the batch, so one timeout among a minute of answers would
-cut that side's tokens/s, and move the speed-up, by up to ten times. Such a batch reports its answered tokens and no
-time: no tokens/s, and the report withholds every speed-up over it, naming the count.
+Each request is bounded in time (the whole reply within ``request_timeout_s``: a trickled body stays under any
+per-read timeout) and in size (``generation.replies.reply_limit`` of ``max_tokens``). A request that fails is
+counted as failed and in no acceptance, speed or mismatch; a batch whose every request on one side failed stops the
+evaluation naming the server and the error. A prompt whose plain or draft speed request failed is left out of the
+ratios and counted; the stricter rule holds: any failed speed request withholds that draft's speed-up (a failed plain
+one also the plain verifier's tokens/s), said with the count, never a number over the surviving pairs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
-from eagle3_assets.evaluation.report import AcceptanceStats
+from eagle3_assets.evaluation.report import AcceptanceStats, pair_record
 from eagle3_assets.generation.config import display_url
 
 __all__ = ["OnlineConfig", "Prompt", "evaluate_online", "held_out_prompts"]
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 # vLLM's flag for per-request acceptance in each response body (``summary``: the histogram, no per-step arrays)
 PER_REQUEST_METRICS_ARGS = ("--per-request-spec-decode-metrics", "summary")
+PLAIN, DRAFT = "plain", "draft"
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Generation:
     finish_reason: str | None
     speculative: dict[str, Any] | None = None  # the response's metrics.speculative_decoding, if any
     error: str | None = None  # why the request failed (no reply to count); None: it succeeded
+    seconds: float | None = None  # this request's wall time, from its send to the whole reply (None: it failed)
 
     @property
     def failed(self) -> bool:
@@ -66,7 +69,7 @@ class Generation:
 @dataclass
 class GenerationRun:
     generations: list[Generation]
-    seconds: float
+    seconds: float  # the batch's wall time (a paired speed batch: the sum of this side's answered requests')
     counters: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -86,9 +89,10 @@ class OnlineConfig:
     max_tokens: int = 128
     # acceptance does not depend on the batch: each prompt set's acceptance batch goes out this many at a time
     concurrency: int = 64
-    # tokens/s, with and without a draft, on the first N prompts of each set one at a time (batch 1: where
-    # decoding is latency-bound and drafts pay off); 0: no speed measurement
-    speed_prompts: int = 8
+    # the paired speed batch: the first N prompts of each set, each sent to the plain verifier and to the draft, one
+    # request at a time (batch 1: where decoding is latency-bound and drafts pay off), alternating which goes
+    # first; the speed-up is the median per-prompt ratio with a 95% bootstrap interval; 0: no speed measurement
+    speed_prompts: int = 32
     prompt_sets: tuple[str, ...] = tuple(DEFAULT_PROMPT_SETS.split(","))
     max_model_len: int = 2048  # held-out prompts of real datasets run to ~1.5k tokens
     request_timeout_s: float = 600.0
@@ -133,6 +137,49 @@ def summed_counts(generations: Sequence[Generation], k: int) -> dict[str, Any]:
     return total
 
 
+def _client(base_url: str, config: OnlineConfig) -> Any:
+    """An OpenAI client of one server: no retries, each read within ``request_timeout_s``, replies capped at the
+    limit of ``max_tokens``."""
+    import openai
+
+    from eagle3_assets.bounded_http import capped_openai_http_client
+    from eagle3_assets.generation.replies import reply_limit
+
+    # the replies are plain (not streamed) chat completions of at most max_tokens, with their token ids
+    limit = reply_limit(config.max_tokens, stream=False, extra_sampling={})
+    return openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key=config.api_key or "no-key",  # vLLM without --api-key accepts any key; the openai client insists on one
+        timeout=config.request_timeout_s,
+        max_retries=0,
+        http_client=capped_openai_http_client(lambda request: limit.bytes_for(request.content)),
+    )
+
+
+async def _complete(client: Any, model: str, prompt: Prompt, config: OnlineConfig) -> Generation:
+    """One greedy completion, timed from its send to the whole reply; a failure is a failed Generation."""
+    import asyncio
+
+    deadline_s = config.request_timeout_s
+    deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
+    started = time.perf_counter()
+    try:
+        async with deadline:
+            response = await client.chat.completions.create(
+                model=model,
+                messages=prompt.messages,  # type: ignore[arg-type]
+                temperature=0,
+                max_tokens=config.max_tokens,
+                extra_body={"return_token_ids": True},
+            )
+    except Exception as error:  # not a cancellation (a stop request): CancelledError is no Exception
+        if deadline.expired():
+            return _failed(prompt, f"timeout: the reply did not end within the request timeout of {deadline_s:g} s")
+        return _failed(prompt, _failure_text(error))
+    seconds = time.perf_counter() - started
+    return dataclasses.replace(_generation(prompt, response), seconds=seconds)
+
+
 def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
     """Greedy completions of every prompt, ``concurrency`` at a time; wall time of the whole batch.
 
@@ -140,49 +187,17 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     (:func:`eagle3_assets.interrupts.run_interruptible`): the batch ends within seconds, its connections closed,
     instead of waiting for every request in flight and every one queued (what a thread pool did).
     """
-    import openai
-
-    from eagle3_assets.bounded_http import capped_openai_http_client
-    from eagle3_assets.generation.replies import reply_limit
     from eagle3_assets.interrupts import run_interruptible
-
-    # vLLM without --api-key accepts any key; the openai client insists on one
-    api_key = config.api_key or "no-key"
-    # the replies are plain (not streamed) chat completions of at most max_tokens, with their token ids
-    limit = reply_limit(config.max_tokens, stream=False, extra_sampling={})
-    deadline_s = config.request_timeout_s
 
     async def run_all() -> list[Generation]:
         import asyncio
 
-        client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=deadline_s,
-            max_retries=0,
-            http_client=capped_openai_http_client(lambda request: limit.bytes_for(request.content)),
-        )
+        client = _client(base_url, config)
         gate = asyncio.Semaphore(max(1, config.concurrency))
 
         async def one(prompt: Prompt) -> Generation:
             async with gate:
-                deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
-                try:
-                    async with deadline:
-                        response = await client.chat.completions.create(
-                            model=model,
-                            messages=prompt.messages,  # type: ignore[arg-type]
-                            temperature=0,
-                            max_tokens=config.max_tokens,
-                            extra_body={"return_token_ids": True},
-                        )
-                except Exception as error:  # not a cancellation (a stop request): CancelledError is no Exception
-                    if deadline.expired():
-                        return _failed(
-                            prompt, f"timeout: the reply did not end within the request timeout of {deadline_s:g} s"
-                        )
-                    return _failed(prompt, _failure_text(error))
-            return _generation(prompt, response)
+                return await _complete(client, model, prompt, config)
 
         try:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
@@ -192,6 +207,35 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     started = time.perf_counter()
     generations = run_interruptible(run_all())
     return GenerationRun(generations, time.perf_counter() - started)
+
+
+def paired_order(index: int) -> tuple[str, str]:
+    """Which side of prompt ``index``'s pair goes first: the plain verifier on an even index, the draft on an odd."""
+    return (PLAIN, DRAFT) if index % 2 == 0 else (DRAFT, PLAIN)
+
+
+def generate_paired(
+    plain_url: str, draft_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig
+) -> tuple[GenerationRun, GenerationRun]:
+    """The paired speed batch: per prompt one request to each server, one request at a time, in
+    :func:`paired_order`; (plain, draft) runs in prompt order, each run's seconds the sum of its answered requests'."""
+    from eagle3_assets.interrupts import run_interruptible
+
+    async def run_all() -> dict[str, list[Generation]]:
+        clients = {PLAIN: _client(plain_url, config), DRAFT: _client(draft_url, config)}
+        out: dict[str, list[Generation]] = {PLAIN: [], DRAFT: []}
+        try:
+            for i, prompt in enumerate(prompts):
+                for side in paired_order(i):
+                    out[side].append(await _complete(clients[side], model, prompt, config))
+        finally:
+            for client in clients.values():
+                await client.close()
+        return out
+
+    sides = run_interruptible(run_all())
+    runs = [GenerationRun(sides[s], sum(g.seconds or 0.0 for g in sides[s])) for s in (PLAIN, DRAFT)]
+    return runs[0], runs[1]
 
 
 def _failed(prompt: Prompt, why: str) -> Generation:
@@ -238,12 +282,9 @@ def mismatched(reference: Sequence[Generation], other: Sequence[Generation]) -> 
     return bad
 
 
-def measure(
-    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
-) -> GenerationRun:
-    """Generate and count acceptance from these responses; a draft server must report it per request. Failed
-    requests count nowhere but in ``failures``; a batch with no successful request stops the evaluation."""
-    run = generate(base_url, model, prompts, config)
+def _checked(base_url: str, run: GenerationRun, config: OnlineConfig, speculative: bool) -> GenerationRun:
+    """``run`` with its acceptance counted; a run with no answered request, or a draft server's without
+    per-request metrics, stops the evaluation naming the server."""
     answered = [g for g in run.generations if not g.failed]
     if run.generations and not answered:
         raise RuntimeError(
@@ -263,15 +304,35 @@ def measure(
     return run
 
 
+def measure(
+    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
+) -> GenerationRun:
+    """Generate and count acceptance from these responses; a draft server must report it per request. Failed
+    requests count nowhere but in ``failures``; a batch with no successful request stops the evaluation."""
+    return _checked(base_url, generate(base_url, model, prompts, config), config, speculative)
+
+
 def acceptance_stats(
-    label: str, k: int, run: GenerationRun, speed: GenerationRun | None = None, prompt_set: str = HELD_OUT
+    label: str,
+    k: int,
+    run: GenerationRun,
+    speed: GenerationRun | None = None,
+    prompt_set: str = HELD_OUT,
+    plain_speed: GenerationRun | None = None,
 ) -> AcceptanceStats:
     """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``, only
-    where every request of that batch was answered (else ``seconds`` None and ``speed_failed`` says how many failed)."""
+    where every request of that batch was answered (else ``seconds`` None and ``speed_failed`` says how many failed).
+    With ``plain_speed``, ``speed`` is the draft's side of a paired speed batch and the per-prompt pairs are kept
+    (``speed_pairs``: each side's tokens and seconds, None where its request failed)."""
     c = run.counters
     timed = speed if speed is not None else run
     speed_failed = len(timed.failures)
     failed = len(run.failures) + (len(speed.failures) if speed is not None else 0)
+    pairs = []
+    if plain_speed is not None and speed is not None:
+        for i, sides in enumerate(zip(plain_speed.generations, speed.generations, strict=True)):
+            answered = [None if g.failed or g.seconds is None else (g.completion_tokens, g.seconds) for g in sides]
+            pairs.append(pair_record(sides[1].sample_id, paired_order(i)[0], *answered))
     return AcceptanceStats(
         label=label,
         method="online",
@@ -281,7 +342,7 @@ def acceptance_stats(
         accepted_tokens=c["accepted"],
         accepted_per_position=list(c["per_position"]),
         output_tokens=timed.output_tokens if timed.generations else None,
-        # a failed request's wall time is in the batch's, its tokens are not: no tokens/s from such a batch
+        # a batch with a failed request: no tokens/s (its seconds, a batch's wall time, hold the failed one's too)
         seconds=timed.seconds if timed.generations and not speed_failed else None,
         prompt_set=prompt_set,
         extra={
@@ -293,6 +354,7 @@ def acceptance_stats(
         },
         failed=failed,
         speed_failed=speed_failed,
+        speed_pairs=pairs,
     )
 
 
@@ -326,8 +388,8 @@ def local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | 
 
 @dataclass
 class SetRun:
-    """One server on one prompt set: the acceptance batch (every prompt, ``concurrency`` at a time) and the speed
-    batch (the first ``speed_prompts``, one at a time)."""
+    """One server on one prompt set: the acceptance batch (every prompt, ``concurrency`` at a time) and its side of
+    the paired speed batches (the plain verifier: its requests of every draft's pairs, in draft order)."""
 
     acceptance: GenerationRun
     speed: GenerationRun | None
@@ -341,24 +403,22 @@ class SetRun:
         return [g for g in self.generations if g.failed]
 
 
-def measure_set(
-    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
-) -> SetRun:
-    """The acceptance batch first (it also warms the server up), then the batch-1 speed batch."""
-    acceptance = measure(base_url, model, prompts, config, speculative)
-    speed = None
-    if config.speed_prompts > 0:
-        one_at_a_time = dataclasses.replace(config, concurrency=1)
-        speed = measure(base_url, model, prompts[: config.speed_prompts], one_at_a_time, speculative)
-    return SetRun(acceptance, speed)
-
-
 @dataclass
 class OnlineResult:
     stats: list[AcceptanceStats]
-    baseline: dict[str, SetRun]  # prompt set -> the plain verifier's run
+    # prompt set -> the plain verifier's run: its acceptance batch and its side of every draft's paired speed batch
+    baseline: dict[str, SetRun]
     mismatches: dict[str, dict[str, list[str]]]  # prompt set -> label -> sample ids whose greedy output differed
     startup_s: dict[str, float]
+
+
+def _say_failures(say: Callable[[str], None], label: str, set_name: str, batch: str, run: GenerationRun) -> None:
+    if failures := run.failures:
+        withheld = ": no tokens/s, and no speed-up over it" if batch == "speed batch" else ""
+        say(
+            f"online [{label}] {set_name}: {len(failures)} of the {batch}'s {len(run.generations)} requests failed, "
+            f"counted in no acceptance, speed or mismatch{withheld}; the first: {failures[0].error}"
+        )
 
 
 def evaluate_online(
@@ -368,55 +428,72 @@ def evaluate_online(
     config: OnlineConfig,
     log: Callable[[str], None] | None = None,
 ) -> OnlineResult:
-    """Plain verifier, then the verifier with each draft (label -> speculators draft folder), on every prompt set
-    (name -> prompts), one server at a time.
+    """The plain verifier's acceptance batches, then each draft's (label -> speculators draft folder) and its paired
+    speed batch against the plain verifier, on every prompt set (name -> prompts).
 
     With ``config.plain_url`` / ``config.draft_url`` set, those servers are used (the trained draft is the first
-    label); every other one is started locally (with ``config.reasoning_parser``) and stopped after its batches.
+    label); every other one is started locally (with ``config.reasoning_parser``): the plain verifier's once, kept up
+    beside each draft's and stopped after the last; a draft's stopped after its batches.
     """
     say = log or logger.info
     name = config.served_model_name or Path(verifier).name
     startup: dict[str, float] = {}
 
-    def run_on(label: str, draft: Path | None, url: str | None) -> dict[str, SetRun]:
-        def all_sets(base_url: str) -> dict[str, SetRun]:
-            out = {}
-            for set_name, prompts in prompt_sets.items():
-                say(f"online [{label}] {set_name}: {len(prompts)} prompts, {config.concurrency} at a time")
-                out[set_name] = run = measure_set(base_url, name, prompts, config, speculative=draft is not None)
-                if failures := run.failures:
-                    say(
-                        f"online [{label}] {set_name}: {len(failures)} of {len(run.generations)} requests failed, "
-                        f"counted in no acceptance, speed or mismatch; the first: {failures[0].error}"
-                    )
-                if run.speed is not None and run.speed.failures:
-                    say(
-                        f"online [{label}] {set_name}: {len(run.speed.failures)} of the speed batch's "
-                        f"{len(run.speed.generations)} requests failed: no tokens/s, and no speed-up over it"
-                    )
-            return out
-
+    def serve(stack: contextlib.ExitStack, label: str, draft: Path | None, url: str | None) -> str:
         if url is not None:
             say(f"online [{label}]: using the server at {display_url(url)}")
-            return all_sets(url)
+            return url
         say(f"online [{label}]: starting vLLM on {verifier}" + (f" with draft {draft}" if draft else ""))
-        with local_server(verifier, config, name, draft) as server:
-            startup[label] = round(float(server.startup_s or 0.0), 1)
-            say(f"online [{label}]: ready in {startup[label]:.0f} s")
-            return all_sets(server.base_url)
+        server = stack.enter_context(local_server(verifier, config, name, draft))
+        startup[label] = round(float(server.startup_s or 0.0), 1)
+        say(f"online [{label}]: ready in {startup[label]:.0f} s")
+        return server.base_url
 
-    baseline = run_on("plain", None, config.plain_url)
+    def acceptance(label: str, url: str, set_name: str, speculative: bool) -> GenerationRun:
+        say(f"online [{label}] {set_name}: {len(prompt_sets[set_name])} prompts, {config.concurrency} at a time")
+        run = measure(url, name, prompt_sets[set_name], config, speculative)
+        _say_failures(say, label, set_name, "acceptance batch", run)
+        return run
+
+    def paired(plain_url: str, draft_url: str, label: str, set_name: str) -> tuple[GenerationRun, GenerationRun]:
+        prompts = prompt_sets[set_name][: config.speed_prompts]
+        say(f"online [plain vs {label}] {set_name}: speed on {len(prompts)} prompts, paired, one request at a time")
+        plain_run, draft_run = generate_paired(plain_url, draft_url, name, prompts, config)
+        _say_failures(say, "plain", set_name, "speed batch", _checked(plain_url, plain_run, config, False))
+        _say_failures(say, label, set_name, "speed batch", _checked(draft_url, draft_run, config, True))
+        return plain_run, draft_run
+
     stats: list[AcceptanceStats] = []
     mismatches: dict[str, dict[str, list[str]]] = {set_name: {} for set_name in prompt_sets}
-    for i, (label, draft) in enumerate(drafts.items()):
-        runs = run_on(label, Path(draft), config.draft_url if i == 0 else None)
-        for set_name, run in runs.items():
-            s = acceptance_stats(label, config.k, run.acceptance, run.speed, set_name)
-            bad = mismatched(baseline[set_name].generations, run.generations)
-            mismatches[set_name][label] = sorted(set(bad), key=bad.index)
-            say(
-                f"online [{label}] {set_name}: mean acceptance length {s.mean_acceptance_length:.3f} over "
-                f"{s.drafts} drafts, {len(mismatches[set_name][label])} greedy mismatches"
-            )
-            stats.append(s)
+    plain_speed: dict[str, list[GenerationRun]] = {set_name: [] for set_name in prompt_sets}
+    with contextlib.ExitStack() as plain_server:
+        plain_url = serve(plain_server, "plain", None, config.plain_url)
+        plain = {set_name: acceptance("plain", plain_url, set_name, False) for set_name in prompt_sets}
+        if config.speed_prompts <= 0:
+            plain_server.close()  # no paired speed batch: nothing to keep the plain verifier up for
+        for i, (label, draft) in enumerate(drafts.items()):
+            with contextlib.ExitStack() as draft_server:
+                draft_url = serve(draft_server, label, Path(draft), config.draft_url if i == 0 else None)
+                runs = {set_name: acceptance(label, draft_url, set_name, True) for set_name in prompt_sets}
+                for set_name, run in runs.items():
+                    reference, other = list(plain[set_name].generations), list(run.generations)
+                    plain_run = draft_run = None
+                    if config.speed_prompts > 0:
+                        plain_run, draft_run = paired(plain_url, draft_url, label, set_name)
+                        plain_speed[set_name].append(plain_run)
+                        reference, other = reference + plain_run.generations, other + draft_run.generations
+                    s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_speed=plain_run)
+                    bad = mismatched(reference, other)
+                    mismatches[set_name][label] = sorted(set(bad), key=bad.index)
+                    say(
+                        f"online [{label}] {set_name}: mean acceptance length {s.mean_acceptance_length:.3f} over "
+                        f"{s.drafts} drafts, {len(mismatches[set_name][label])} greedy mismatches"
+                    )
+                    stats.append(s)
+    baseline = {set_name: SetRun(plain[set_name], _joined(plain_speed[set_name])) for set_name in prompt_sets}
     return OnlineResult(stats=stats, baseline=baseline, mismatches=mismatches, startup_s=startup)
+
+
+def _joined(runs: Sequence[GenerationRun]) -> GenerationRun | None:
+    """One side's requests over several paired batches: their generations, their seconds summed (None: none)."""
+    return GenerationRun([g for r in runs for g in r.generations], sum(r.seconds for r in runs)) if runs else None
