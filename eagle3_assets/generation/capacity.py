@@ -56,12 +56,21 @@ MAX_GAUGE = 1_000_000.0
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+# Token counters the engine advances at every step it reports: they tell a poll that a step has passed since the last.
+STEP_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+# A claim is counted in the gauges once the engine has reported this many steps after it: the first step reported
+# may have been scheduled before the claimed requests arrived, the second was scheduled after the first ended.
+CLAIM_SETTLE_STEPS = 2
+# ...or after this many polls at most (a claim with nothing to send moves no step): ~10 s at the default 0.25 s
+CLAIM_SETTLE_MAX_POLLS = 40
 
 
 @dataclass(frozen=True)
 class ServerLoad:
     running: int
     waiting: int
+    # prompt + generation tokens the server has processed (its step counters); None: the page has no counters
+    tokens: float | None = None
 
     @property
     def total(self) -> int:
@@ -78,7 +87,12 @@ def parse_load(text: str) -> ServerLoad | None:
     """
     sums = {RUNNING: 0.0, WAITING: 0.0}
     seen = False
+    tokens: float | None = None
     for line in text.splitlines():
+        if line.startswith(STEP_COUNTERS):
+            with contextlib.suppress(IndexError, ValueError):
+                tokens = (tokens or 0.0) + float(line.rsplit(None, 1)[-1])
+            continue
         if not line.startswith("vllm:num_requests_"):
             continue
         name, _, rest = line.partition("{")
@@ -99,7 +113,7 @@ def parse_load(text: str) -> ServerLoad | None:
         seen = True
     if not seen or not all(0 <= total <= MAX_GAUGE for total in sums.values()):
         return None
-    return ServerLoad(running=round(sums[RUNNING]), waiting=round(sums[WAITING]))
+    return ServerLoad(running=round(sums[RUNNING]), waiting=round(sums[WAITING]), tokens=tokens)
 
 
 def _has_gauges(text: str) -> bool:
@@ -124,11 +138,18 @@ class ServerAdmission:
     polls: int = 0
     peak_waiting: int = 0
     peak_load: int = 0
+    # Our last claim, until the gauges count it: the engine steps still to be reported (0: settled) and the polls
+    # since the claim. Until then the room it took still looks free (the gauges lag our requests by the steps still
+    # running: seconds on a CPU server), and claiming it again would overfill the server at every poll.
+    unsettled_steps: int = 0
+    unsettled_polls: int = 0
+    tokens_seen: float | None = None
 
     def update(self, own: int, load: ServerLoad, first: bool = True) -> int:
         """The new cap on this engine's requests in flight at the server, from its load now. ``first``: no
         lower partition key of this pipeline is waiting for room (see :class:`PartitionLine`)."""
         self.polls += 1
+        self._settle(load)
         self.peak_waiting = max(self.peak_waiting, load.waiting)
         self.peak_load = max(self.peak_load, load.total)
         others = max(0, load.total - own)
@@ -141,13 +162,28 @@ class ServerAdmission:
             # same instant are ordered by the line before any of them claims. Behind a lower key: keep what we
             # hold (refilled locally), leave the room to it.
             cap = own
+        elif free >= 0 and self.unsettled_steps:
+            cap = own  # the room our last claim took looks free until the gauges count that claim
         elif free >= 0:
             contested = self.polls == 2 or others > self.others  # our first claim may be someone else's too
             cap = own + ((free + 1) // 2 if contested else free)
+            if cap > own and load.tokens is not None:
+                self.unsettled_steps, self.unsettled_polls = CLAIM_SETTLE_STEPS, 0
         else:
             cap = own * self.target // (own + settled)
         self.others = others
         return cap
+
+    def _settle(self, load: ServerLoad) -> None:
+        """Count the engine steps reported since our last claim (its step counters moved since the last poll)."""
+        stepped = load.tokens is not None and self.tokens_seen is not None and load.tokens != self.tokens_seen
+        self.tokens_seen = load.tokens
+        if self.unsettled_steps:
+            self.unsettled_polls += 1
+            if stepped:
+                self.unsettled_steps -= 1
+            if self.unsettled_polls >= CLAIM_SETTLE_MAX_POLLS:
+                self.unsettled_steps = 0
 
 
 class PartitionLine:

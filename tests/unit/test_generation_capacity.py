@@ -94,6 +94,25 @@ def test_an_overfull_server_is_shed_in_proportion() -> None:
     assert (a.peak_waiting, a.peak_load) == (60, 160)
 
 
+def test_a_server_whose_gauges_lag_its_steps_is_not_overfilled_by_unsettled_claims() -> None:
+    """A CPU vLLM reports its gauges once per engine step (seconds), so a claim's requests stay out of them for
+    several polls: the room they took still looks free. Measured in make demo-real (commit f7d102c): a newcomer
+    claiming it again at every poll took one server to 118 requests for a target of 64, with KV-cache preemption.
+    A claim now waits for two reported steps (the step counters moving) before the next one."""
+    target, incumbent, own, visible_own, tokens, peak = 64, 40, 0, 0, 0.0, 0
+    newcomer = ServerAdmission(target)
+    for poll in range(400):
+        if poll % 4 == 0:  # an engine step: the gauges catch up with what arrived before it; an incumbent's finishes
+            visible_own, tokens, incumbent = own, tokens + 500.0, max(0, incumbent - 1)
+        own = newcomer.update(own, ServerLoad(incumbent + visible_own, 0, tokens))  # the engine fills its cap at once
+        peak = max(peak, incumbent + own)
+    assert peak <= target, peak
+    assert own == target  # and it took the whole room over as the incumbent drained
+    assert parse_load(VLLM_PAGE + 'vllm:prompt_tokens_total{engine="0"} 10.0\nvllm:generation_tokens_total 5\n') == (
+        ServerLoad(running=64, waiting=3, tokens=15.0)
+    )
+
+
 def test_server_targets_are_validated() -> None:
     urls = ("http://a:1/v1", "http://b:1/v1")
     config = GenerationConfig(base_urls=urls, concurrency=64, server_targets=(32, 96))
