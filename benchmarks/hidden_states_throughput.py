@@ -12,10 +12,10 @@ written under a temporary folder.
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import _common
+from bare_engines import bare_forward
 
 
 def main() -> int:
@@ -29,7 +29,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.hidden_states.backends import plan_batches, torch_threads
+    from eagle3_assets.hidden_states.backends import plan_batches
     from eagle3_assets.hidden_states.samples import read_ok_responses as _read_ok_responses
     from eagle3_assets.hidden_states.samples import render_rows as _render_rows
     from eagle3_assets.sample_data import fabricate_responses
@@ -49,17 +49,7 @@ def main() -> int:
         model.eval()
 
         def bare() -> float:
-            started = time.perf_counter()
-            with torch_threads(args.threads), torch.inference_mode():
-                for batch in batches:
-                    longest = max(len(ids[i]) for i in batch)
-                    input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
-                    mask = torch.zeros_like(input_ids)
-                    for row, i in enumerate(batch):
-                        input_ids[row, : len(ids[i])] = torch.tensor(ids[i])
-                        mask[row, : len(ids[i])] = 1
-                    model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
-            return tokens / (time.perf_counter() - started)
+            return bare_forward(model, ids, batches, args.threads)
 
         def pipeline(run: int) -> float:
             import shutil

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import _common
+from bare_engines import bare_training
 
 
 def main() -> int:
@@ -26,16 +27,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
     args = parser.parse_args()
 
-    import torch
-
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.hidden_states.backends import torch_threads
     from eagle3_assets.sample_data import fabricate_responses
     from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
-    from eagle3_assets.training.data import make_loader as _loader
-    from eagle3_assets.training.data import to_device as _to_device
-    from eagle3_assets.training.model import build_draft, trainer_kwargs
 
     verifier = _common.tiny_model(args).resolve()
     keys = ["00000", "00001", "00002"]
@@ -48,34 +43,10 @@ def main() -> int:
             fabricate_responses(layout, key, args.samples)
             extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]), log=lambda _m: None)
 
-        def bare() -> float:
-            with torch_threads(args.threads):
-                torch.manual_seed(0)
-                model = build_draft(verifier, [1, 2, 3], config, None)
-                model.train()
-                kwargs = trainer_kwargs(config)
-                loader = _loader(
-                    [layout.hidden_states_dir(k) for k in keys[:2]],
-                    args.tokens_per_batch,
-                    args.hidden_size,
-                    3,
-                    torch.float32,
-                    0,
-                )
-                loader.batch_sampler.set_epoch(0)
-                opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-                steps = 0
-                started, cpu_started = time.perf_counter(), time.process_time()
-                for batch in loader:
-                    if steps >= args.steps:
-                        break
-                    _tokens, loss, _metrics = model(**_to_device(batch, torch.device("cpu")), **kwargs)
-                    opt.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    steps += 1
-                return (time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps
+        def bare() -> tuple[float, float]:
+            meta = {"layer_ids": [1, 2, 3], "hidden_size": args.hidden_size}
+            dirs = [layout.hidden_states_dir(k) for k in keys[:2]]
+            return bare_training(verifier, dirs, meta, config, args.steps)
 
         def ours() -> tuple[float, float, float]:
             import shutil
