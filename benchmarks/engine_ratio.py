@@ -62,13 +62,20 @@ def side_by_side(bare: Any, project: Any) -> tuple[list[float], float]:
 
 
 def generation(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    import polars as pl
+
     from eagle3_assets.generation import GenerationConfig, generate_partition, partition_prompts
     from eagle3_assets.generation.fullness import ServerFullness
     from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
     from eagle3_assets.storage import DataLayout
 
-    prompts = partition_prompts(DataLayout.at(args.data), args.partition)[: args.prompts]
+    data = DataLayout.at(args.data)
+    # the prompts the demo got an answer to: a prompt past the server's context is refused (HTTP 400) on both sides
+    answered = set(
+        pl.read_parquet(data.responses_path(args.partition)).filter(pl.col("status") == "ok")["sample_id"].to_list()
+    )
+    prompts = [p for p in partition_prompts(data, args.partition) if p.sample_id in answered][: args.prompts]
     build = accelerator.vllm_build()
     server = LocalVLLMServer(
         model=args.verifier, served_model_name="verifier", max_model_len=2048, kv_cache_gib=2,
