@@ -270,7 +270,12 @@ def _run_partitions(
         if result.success:
             say(f"{name}{where}: ok in {seconds:.1f} s{_rows(result)}")
             return True
-        say(f"{name}{where}: FAILED: {_failure(result)}")
+        why = _failure(result)
+        if "ExecutionInterruptedError" in why or "KeyboardInterrupt" in why:  # SIGINT/SIGTERM: nothing to fix
+            say(f"{name}{where}: stopped by a signal")
+            failed.append(f"{name} stopped (run {result.run_id}); re-run the same command to resume")
+            return False
+        say(f"{name}{where}: FAILED: {why}")
         failed.append(f"{name} failed (run {result.run_id}); fix it, then re-run make demo")
         return False
 
