@@ -125,6 +125,11 @@ def measured_rate(run: MeasuredRun, stage: str, keys: Sequence[str] | None = Non
         seconds += spent
     if not seconds:
         raise PlanError(f"{run.name} measures no {stage} (seconds and tokens per partition)")
+    stage_name = {"generation": "synthetic_responses", "extraction": "hidden_states"}[stage]
+    if not keys and stage_name in run.stage_seconds:
+        # the whole stage's wall time: partitions that ran overlapped (generation, since commit f7d102c) each count
+        # the time they shared the server, and their seconds summed would count it twice
+        return Rate(tokens / run.stage_seconds[stage_name], f"{_where(run, keys)} (the whole stage)")
     return Rate(tokens / seconds, _where(run, keys))
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -100,8 +101,12 @@ def test_the_demo_output_and_the_learning_curve_are_read() -> None:
     assert run.stage_seconds["synthetic_responses"] == 1200.0 and run.stage_seconds["draft_model"] == 1453.9
     assert run.tokens_trained == 1_128_852 and run.epochs == 4 and run.train_samples == 747
     everything = planning.measured_rate(run, "generation")
-    assert everything.tokens_per_s == pytest.approx(187_054 / (328.4 + 305.4 + 362.8 + 203.3))
-    assert everything.source == "measured: demo_real_f3e7efa.txt"
+    assert everything.tokens_per_s == pytest.approx(187_054 / 1200.0)  # the stage's wall time
+    assert everything.source == "measured: demo_real_f3e7efa.txt (the whole stage)"
+    # partitions that ran overlapped count the time they shared the server: their seconds summed are not the stage's
+    parts = {key: dataclasses.replace(part, generation_s=500.0) for key, part in run.partitions.items()}
+    overlapped = planning.MeasuredRun("overlapped.txt", parts, {"synthetic_responses": 700.0})  # 4 x 500 s, 2 at a time
+    assert planning.measured_rate(overlapped, "generation").tokens_per_s == pytest.approx(187_054 / 700.0)
     first = planning.measured_rate(run, "extraction", ["00000"])
     assert first.tokens_per_s == pytest.approx((48052 + 50634) / 71.6)
     assert first.source == "measured: demo_real_f3e7efa.txt (partition 00000)"
