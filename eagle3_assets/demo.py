@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -317,6 +318,7 @@ def materialize_asset(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv or []))
+    stop_on_sigterm()
     if args.recipe:
         args.real, args.run = True, args.run or "recipe"
     if args.samples is None:
@@ -371,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _summary(data_dir, timings, log_path, real=args.real)
     _finish_measurement(measurement, data_dir)
     return 0
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (kill, timeout, systemd) stops the demo as Ctrl-C does: the stage in progress winds down (its
+    partition processes and the server stopped) instead of the process vanishing with its children left running."""
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT))
 
 
 def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:

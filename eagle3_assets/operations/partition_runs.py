@@ -29,6 +29,7 @@ from dagster._core.instance.ref import InstanceRef  # what a run launcher hands 
 from dagster._serdes import deserialize_value, serialize_value
 
 from eagle3_assets.local.process_group import stop_process_group
+from eagle3_assets.process_guard import with_parent_death_signal
 
 
 @dataclass
@@ -85,8 +86,10 @@ def run_partitions(
             out = Path(scratch) / "run_id"
             if stopping:
                 return ChildRun(run_id=None, success=False), 0.0
-            # its own process group: a stop reaches the child and whatever it started, and nothing else
-            child = subprocess.Popen(_command(instance, asset, key, run_config, out), start_new_session=True)
+            # its own process group: a stop reaches the child and whatever it started, and nothing else; and a
+            # SIGTERM from the kernel should this process die without stopping it (SIGKILL, a default SIGTERM)
+            command = with_parent_death_signal(_command(instance, asset, key, run_config, out))
+            child = subprocess.Popen(command, start_new_session=True)
             children[key] = child
             code = child.wait()
             return _read_back(instance, out, code), time.monotonic() - started

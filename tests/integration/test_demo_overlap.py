@@ -4,6 +4,13 @@ command says how full the server was."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -15,8 +22,10 @@ from eagle3_assets.definitions import build_definitions
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
 from eagle3_assets.generation.fullness import ServerFullness
 from eagle3_assets.generation.partition import generate_partitions
+from eagle3_assets.local.process_group import descendants
 from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, serve_in_thread
+from support.common import child_env, journal_lines, reaped
 from support.operations import write_prompts
 
 # ~3 s per answer, 8 slots: each partition of 16 lasts two waves, longer than a run process takes to start (~3 s)
@@ -85,3 +94,72 @@ def test_generate_partitions_overlaps_and_returns_every_result(tmp_path: Path) -
     assert_overlapped(spans(tmp_path / "data"))
     report = fullness.report
     assert report is not None and report.readings > 0 and 0 < report.share <= 1.0
+
+
+# The demo's generation stage in a process of its own, as `eagle3 demo` runs it: partition runs in child processes.
+STAGE_SCRIPT = """
+import dagster as dg
+from eagle3_assets import demo
+from eagle3_assets.definitions import build_definitions
+demo.stop_on_sigterm()
+with dg.DagsterInstance.get() as instance:
+    demo.run_stages(build_definitions(), instance, print, lambda _n: None, only=["raw_prompts", "synthetic_responses"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_demo_leaves_no_partition_run_behind_and_resumes(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM (handled as Ctrl-C) or SIGKILL (nothing handled: the kernel's parent-death signal) to the demo while
+    its partition runs generate: every process it started ends within 30 s, and a re-run resumes with every
+    journaled answer kept."""
+    dataset = write_prompts(tmp_path, 48)
+    env = child_env(
+        DAGSTER_HOME=str(tmp_path / "dagster_home"), EAGLE3_DATA_DIR=str(tmp_path / "data"),
+        EAGLE3_PROMPTS_PATH=str(dataset), EAGLE3_PARTITION_SIZE="16", EAGLE3_CONCURRENCY="8",
+    )  # fmt: skip
+    (tmp_path / "dagster_home").mkdir()
+    layout = DataLayout.at(tmp_path / "data")
+    # answers of ~30 s: a partition run left behind would still be generating long after the 30 s allowed
+    with serve_in_thread(FakeConfig(token_rate=10, median_tokens=300, sigma=0.3, max_num_seqs=8)) as base_url:
+        env["EAGLE3_VLLM_BASE_URL"] = base_url
+        child = subprocess.Popen([sys.executable, "-c", STAGE_SCRIPT], env=env, stdout=subprocess.DEVNULL)
+        with reaped(child):
+            deadline = time.monotonic() + 180
+            while journal_lines(layout.responses_in_progress_path("00000")) < 1:
+                assert time.monotonic() < deadline and child.poll() is None, "no partition run answered"
+                time.sleep(0.2)
+            started = descendants(child.pid)
+            assert started, "the partition runs are child processes"
+            journaled = journal_lines(layout.responses_in_progress_path("00000"))
+            child.send_signal(sig)
+            child.wait(timeout=30)
+            deadline = time.monotonic() + 30
+            while _alive(started) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not _alive(started), f"left running: {sorted(_alive(started))}"
+    with serve_in_thread(SLOW) as base_url:  # the re-run, against a faster server (the same model and settings)
+        env["EAGLE3_VLLM_BASE_URL"] = base_url
+        rerun = subprocess.run(
+            [sys.executable, "-c", STAGE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        )
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    rows = pl.read_parquet(layout.responses_path("00000"))
+    assert rows.height == 16 and rows["sample_id"].n_unique() == 16
+    # the journaled answers were kept, not requested again (the partition run's own log line, in its stderr)
+    kept = re.search(r"synthetic_responses 00000: 16 prompts; (\d+) already ok on disk", rerun.stderr)
+    assert kept is not None and int(kept[1]) >= journaled, rerun.stderr[-2000:]
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with contextlib.suppress(OSError):  # a zombie waiting for its reaper is gone for this purpose
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                continue
+        alive.add(pid)
+    return alive
