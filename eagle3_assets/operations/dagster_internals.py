@@ -2,7 +2,9 @@
 
 ``eagle3 backfill --missing``, ``eagle3 status`` and ``eagle3 sync`` need what Dagster's public API does not
 offer (Dagster 1.13): the per-partition status cache the UI's partition bar reads, storing an asset backfill
-for the daemon with exactly the chosen partitions, and reading a stored backfill's targets. Nothing else in
+for the daemon with exactly the chosen partitions, and reading a stored backfill's targets; ``eagle3 demo``'s partition
+run processes open the instance their parent uses from its serialized ``InstanceRef`` (what a run launcher hands its
+run process). Nothing else in
 the project imports ``dagster._*``; ``tests/integration/test_dagster_internals.py`` checks every name and signature used
 here and fails with the name that moved when a Dagster upgrade moves one.
 """
@@ -16,9 +18,11 @@ import dagster as dg
 from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
 from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
 from dagster._core.execution.backfill import PartitionBackfill
+from dagster._core.instance.ref import InstanceRef
 from dagster._core.instance.utils import RUNLESS_RUN_ID
 from dagster._core.storage.partition_status_cache import AssetPartitionStatus
 from dagster._core.utils import make_new_backfill_id
+from dagster._serdes import deserialize_value, serialize_value
 from dagster._time import get_current_timestamp
 
 if TYPE_CHECKING:
@@ -28,6 +32,8 @@ __all__ = [
     "RUNLESS_RUN_ID",
     "BaseAssetGraph",
     "backfill_target_keys",
+    "instance_from_ref_json",
+    "instance_ref_json",
     "partition_statuses",
     "store_asset_backfill",
 ]
@@ -82,3 +88,12 @@ def backfill_target_keys(instance: dg.DagsterInstance, backfill_id: str) -> dict
         key.to_user_string(): sorted(subset.get_partition_keys())
         for key, subset in data.target_subset.partitions_subsets_by_asset_key.items()
     }
+
+
+def instance_ref_json(instance: dg.DagsterInstance) -> str:
+    """The instance's ``InstanceRef`` as JSON: another process opens the same storage with it."""
+    return serialize_value(instance.get_ref())
+
+
+def instance_from_ref_json(text: str) -> dg.DagsterInstance:
+    return dg.DagsterInstance.from_ref(deserialize_value(text, InstanceRef))

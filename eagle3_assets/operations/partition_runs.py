@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-from dagster._core.instance.ref import InstanceRef  # what a run launcher hands its run process
-from dagster._serdes import deserialize_value, serialize_value
 
 from eagle3_assets.local.process_group import stop_process_group
+from eagle3_assets.operations.dagster_internals import instance_from_ref_json, instance_ref_json
 from eagle3_assets.process_guard import with_parent_death_signal
 
 
@@ -47,7 +46,7 @@ class ChildRun:
 
 def _command(instance: dg.DagsterInstance, asset: str, partition_key: str, run_config: Any, out: Path) -> list[str]:
     payload = {
-        "instance_ref": serialize_value(instance.get_ref()),
+        "instance_ref": instance_ref_json(instance),
         "asset": asset,
         "partition_key": partition_key,
         "run_config": run_config,
@@ -120,7 +119,7 @@ def _child_main(payload_json: str) -> int:
     from eagle3_assets.definitions import build_definitions
 
     payload = json.loads(payload_json)
-    with dg.DagsterInstance.from_ref(deserialize_value(payload["instance_ref"], InstanceRef)) as instance:
+    with instance_from_ref_json(payload["instance_ref"]) as instance:
         defs = build_definitions()
         run_id_file = Path(payload["run_id_file"])
         result = dg.materialize(

@@ -17,7 +17,10 @@ PRIVATE_NAMES = [
     ("dagster._core.definitions.assets.graph.asset_graph_subset", "AssetGraphSubset"),
     ("dagster._core.definitions.assets.graph.base_asset_graph", "BaseAssetGraph"),
     ("dagster._core.execution.backfill", "PartitionBackfill"),
+    ("dagster._core.instance.ref", "InstanceRef"),
     ("dagster._core.instance.utils", "RUNLESS_RUN_ID"),
+    ("dagster._serdes", "serialize_value"),
+    ("dagster._serdes", "deserialize_value"),
     ("dagster._core.storage.partition_status_cache", "AssetPartitionStatus"),
     ("dagster._core.utils", "make_new_backfill_id"),
     ("dagster._time", "get_current_timestamp"),
@@ -81,3 +84,13 @@ def test_nothing_else_imports_dagster_private_modules() -> None:
         if path.name != "dagster_internals.py" and "dagster._" in path.read_text()
     ]
     assert not offenders, f"import Dagster internals through operations/dagster_internals.py: {offenders}"
+
+
+def test_an_instance_reopens_from_its_serialized_ref() -> None:
+    """What ``eagle3 demo``'s partition run processes do: open the parent's instance from its ref."""
+    from eagle3_assets.operations.dagster_internals import instance_from_ref_json, instance_ref_json
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("p", ["00000"])
+        with instance_from_ref_json(instance_ref_json(instance)) as reopened:
+            assert reopened.get_dynamic_partitions("p") == ["00000"]
