@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eagle3 demo stopped; the full log is {log_path}", file=sys.stderr)
         raise
     _summary(data_dir, timings, log_path, real=args.real)
-    _finish_measurement(measurement, data_dir)
+    print(f"measurements of this run: {measurement.finish_run(data_dir)}")
     return 0
 
 
@@ -392,22 +392,6 @@ def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
     }
     run = args.run or ("demo-real" if args.real else "demo")
     return MeasurementFile(args.measurements or data_dir / "_measurements", run, settings_given)
-
-
-def _finish_measurement(measurement: Any, data_dir: Path) -> None:
-    from eagle3_assets import storage
-    from eagle3_assets.evaluation.report import REPORT_JSON
-    from eagle3_assets.training.checkpoints import HISTORY_FILE
-
-    layout = storage.DataLayout.at(data_dir)
-    try:
-        counts = {"rows": storage.partition_row_counts(layout), "responses": storage.response_status_counts(layout)}
-    except Exception as error:  # the counts are a convenience here; `eagle3 counts` names what is unreadable
-        counts = {"error": str(error).splitlines()[0]}
-    path = measurement.finish(
-        data_dir, layout.evaluation_dir / REPORT_JSON, layout.draft_model_dir / HISTORY_FILE, counts
-    )
-    print(f"measurements of this run: {path}")
 
 
 def _fullness_of(server: Any) -> Callable[[str], ServerFullness | None]:

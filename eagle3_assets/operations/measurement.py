@@ -134,6 +134,19 @@ class MeasurementFile:
         self._write()
         return self.path
 
+    def finish_run(self, data_dir: Path) -> Path:
+        """:meth:`finish` with what an ``eagle3 demo`` run left in ``data_dir``."""
+        from eagle3_assets import storage
+        from eagle3_assets.evaluation.report import REPORT_JSON
+        from eagle3_assets.training.checkpoints import HISTORY_FILE  # torch: only once the run is over
+
+        layout = storage.DataLayout.at(data_dir)
+        try:
+            counts = {"rows": storage.partition_row_counts(layout), "responses": storage.response_status_counts(layout)}
+        except Exception as error:  # a convenience here; `eagle3 counts` names what is unreadable
+            counts = {"error": str(error).splitlines()[0]}
+        return self.finish(data_dir, layout.evaluation_dir / REPORT_JSON, layout.draft_model_dir / HISTORY_FILE, counts)
+
     def _write(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_json_atomic(json.loads(json.dumps(self.record, default=str)), self.path)
