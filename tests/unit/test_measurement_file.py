@@ -43,6 +43,7 @@ def test_the_commit_is_this_checkouts() -> None:
 def test_a_demo_run_is_finished_from_what_it_left_in_its_data_dir(tmp_path: Path) -> None:
     measurement = MeasurementFile(tmp_path / "m", "demo", {}, commit="abc1234")
     measurement.stage("raw_prompts", "-", 1.0)
-    record = json.loads(measurement.finish_run(tmp_path / "data").read_text())  # nothing generated, trained or evaluated
+    # nothing generated, trained or evaluated
+    record = json.loads(measurement.finish_run(tmp_path / "data").read_text())
     assert record["complete"] is True and record["evaluation"] is None and record["training"] == {"config": None}
     assert record["data_dir"] == str(tmp_path / "data") and record["counts"] is not None
