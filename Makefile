@@ -75,9 +75,9 @@ endif
 accel-changed:
 
 ## lock-cuda: rewrite constraints-cuda.txt and requirements-vllm-cuda.txt with pip's resolver (--dry-run --report:
-##   no CUDA wheel is downloaded) from constraints.txt and requirements-vllm.txt (eagle3_assets/locks.py)
+##   no CUDA wheel is downloaded) from constraints.txt and requirements-vllm.txt (eagle3_assets/local/cuda_locks.py)
 lock-cuda: install
-	$(PY) -m eagle3_assets.locks write
+	$(PY) -m eagle3_assets.local.cuda_locks write
 
 ## install-browser: Debian chromium (apt-get) + playwright for tests/e2e/test_browser.py
 install-browser: $(VENV)/.browser-installed

@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write report.json/report.md there")
     args = parser.parse_args(argv)
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.evaluation.evaluate import DEFAULT_TOLERANCE, EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.online import OnlineConfig
-    from eagle3_assets.evaluation.report import write_report
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.evaluation.evaluation_report import write_report
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
 
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     draft = args.draft or layout.draft_model_dir / "final"

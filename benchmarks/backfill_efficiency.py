@@ -148,7 +148,7 @@ def sample_durations(data: Path, keys: list[str], fake: FakeConfig | None) -> li
     measured latency)."""
     import polars as pl
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     layout = DataLayout.at(data)
     out = []
@@ -228,7 +228,8 @@ def contextlib_server(args: argparse.Namespace, root: Path) -> Iterator[tuple[st
             yield server.base_url, fake.model, server
         return
     from eagle3_assets.local.tiny_model import build_tiny_model
-    from eagle3_assets.local.vllm_server import LocalVLLMServer, find_free_port
+    from eagle3_assets.local.vllm_server import LocalVLLMServer
+    from eagle3_assets.net.ports import find_free_port
 
     model_dir = build_tiny_model(root / "models" / "tiny-verifier", seed=0)
     server = LocalVLLMServer(

@@ -64,11 +64,11 @@ def side_by_side(bare: Any, project: Any) -> tuple[list[float], float]:
 def generation(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     import polars as pl
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.generation import GenerationConfig, generate_partition, partition_prompts
     from eagle3_assets.generation.fullness import ServerFullness
     from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
-    from eagle3_assets.storage import DataLayout
 
     data = DataLayout.at(args.data)
     # the prompts the demo got an answer to: a prompt past the server's context is refused (HTTP 400) on both sides
@@ -117,7 +117,7 @@ def generation(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
 
 def _meta(layout: Any, key: str) -> dict[str, Any]:
-    from eagle3_assets.hidden_states.checks import META_FILE
+    from eagle3_assets.hidden_states.state_checks import META_FILE
 
     return json.loads((layout.hidden_states_dir(key) / META_FILE).read_text())
 
@@ -127,10 +127,10 @@ def extraction(args: argparse.Namespace, scratch: Path, precision: str) -> dict[
     import torch
     from transformers import AutoModelForCausalLM
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import plan_batches
     from eagle3_assets.hidden_states.samples import read_ok_responses, render_rows
-    from eagle3_assets.storage import DataLayout
 
     data = DataLayout.at(args.data)
     meta = _meta(data, args.partition)
@@ -160,8 +160,8 @@ def extraction(args: argparse.Namespace, scratch: Path, precision: str) -> dict[
 
 
 def training(args: argparse.Namespace, scratch: Path, precision: str) -> dict[str, Any]:
-    from eagle3_assets.demo import REAL_ASSET_CONFIG
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.operations.demo import REAL_ASSET_CONFIG
     from eagle3_assets.training import TrainConfig, train_draft
     from eagle3_assets.training.vocab import read_vocab_mapping
 
@@ -199,7 +199,7 @@ def training(args: argparse.Namespace, scratch: Path, precision: str) -> dict[st
 
 def main() -> int:
     args = parse_args()
-    from eagle3_assets.precision import fastest_cpu_precision
+    from eagle3_assets.core.precision import fastest_cpu_precision
 
     precision = fastest_cpu_precision()  # what make demo-real computes in on this CPU
     stages = [s for s in args.stages.split(",") if s]

@@ -42,8 +42,8 @@ HERE = Path(__file__).resolve().parents[1]
 ROOT = Path(os.environ.get("EAGLE3_BENCH_TREE") or HERE)
 sys.path.insert(0, str(ROOT))  # that checkout's engine; the fake server (fake_vllm) is this folder's
 
+from eagle3_assets.core.storage import DataLayout  # noqa: E402
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition  # noqa: E402
-from eagle3_assets.storage import DataLayout  # noqa: E402
 from fake_vllm import FakeConfig, FakeServerProcess, response_length  # noqa: E402
 
 

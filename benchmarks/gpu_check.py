@@ -31,8 +31,8 @@ LAYERS = [1, 2, 3]
 
 
 def _partition(root: Path, samples: int) -> object:
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
 
     layout = DataLayout.at(root)
     for key in ("00000", "00001", "00002"):
@@ -60,7 +60,7 @@ def check_hf(verifier: Path, root: Path, samples: int) -> tuple[str, float, floa
 def check_vllm(verifier: Path, root: Path, samples: int) -> tuple[str, float, float, float] | str:
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-    from eagle3_assets.local.extraction import start_extraction_server
+    from eagle3_assets.local.extraction_server import start_extraction_server
     from eagle3_assets.local.vllm_server import default_vllm_python
 
     python = default_vllm_python()

@@ -140,7 +140,8 @@ def serving_args(kv_cache_gib: int, eager: bool) -> dict[str, Any]:
 
 
 def start_plain_server(verifier: Path, log_dir: Path, concurrency: int, eager: bool) -> Any:
-    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
+    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
+    from eagle3_assets.net.ports import find_free_port
 
     args = serving_args(kv_cache_gib=8, eager=eager)
     args["extra_args"] = [*args["extra_args"], "--max-num-seqs", str(concurrency)]
@@ -152,8 +153,9 @@ def start_plain_server(verifier: Path, log_dir: Path, concurrency: int, eager: b
 
 
 def start_draft_server(verifier: Path, draft: Path, log_dir: Path, eager: bool) -> Any:
-    from eagle3_assets.evaluation.online import PER_REQUEST_METRICS_ARGS
-    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
+    from eagle3_assets.evaluation.online_metrics import PER_REQUEST_METRICS_ARGS
+    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
+    from eagle3_assets.net.ports import find_free_port
 
     args = serving_args(kv_cache_gib=4, eager=eager)
     args["extra_args"] = [*args["extra_args"], *PER_REQUEST_METRICS_ARGS]
@@ -216,7 +218,7 @@ def extraction_servers(args: Any, verifier: Path, layer_ids: list[int], storage:
     """An extraction server: the CUDA vLLM's (bf16, stock connector), or the fake one on the dry path."""
     if args.dry:
         sys.path.append(str(REPO / "tests"))  # the tests' fake extraction server
-        from eagle3_assets.verifier import verifier_shape
+        from eagle3_assets.core.verifier import verifier_shape
         from support.fake_extraction import ExtractionFake, serve_extraction
 
         storage.mkdir(parents=True, exist_ok=True)
@@ -224,7 +226,7 @@ def extraction_servers(args: Any, verifier: Path, layer_ids: list[int], storage:
         with serve_extraction(fake) as url:
             yield url
         return
-    from eagle3_assets.local.extraction import start_extraction_server
+    from eagle3_assets.local.extraction_server import start_extraction_server
 
     server = start_extraction_server(
         verifier, layer_ids, storage, max_model_len=2049, log_dir=args.data / "_logs", kv_cache_gib=8
@@ -237,7 +239,7 @@ def extraction_servers(args: Any, verifier: Path, layer_ids: list[int], storage:
 
 def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Report, row: Row) -> None:
     """Acceptance over all HumanEval problems and batch-1 tokens/s, plain vs draft, ``--repeats`` times."""
-    from eagle3_assets.evaluation.online import OnlineConfig, evaluate_online
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, evaluate_online
     from eagle3_assets.evaluation.prompt_sets import HUMANEVAL, humaneval_prompts
 
     prompts = {HUMANEVAL: humaneval_prompts(args.humaneval)}
@@ -276,7 +278,7 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
 def run(args: Any) -> Report:
     import torch
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     on_gpu = torch.cuda.is_available()
     device = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if on_gpu else "cpu"
@@ -319,9 +321,9 @@ def run(args: Any) -> Report:
         with stage(report, "generate") as row:
             generate(args, layout, plain.base_url, sets, row)
 
+        from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
         from eagle3_assets.hidden_states.extract import HiddenStatesConfig
         from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-        from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
         # the tiny verifier has 4 layers: EAGLE-3's default [2, N//2, N-3] would repeat one (the demo's choice)
         layer_ids = [1, 2, 3] if args.dry else resolve_layer_ids(None, verifier_shape(verifier).num_layers, "layers")
@@ -369,9 +371,9 @@ def run(args: Any) -> Report:
 
 
 def train(args: Any, layout: Any, keys: list[str], verifier: Path) -> tuple[Path, Any]:
-    from eagle3_assets.demo import REAL_ASSET_CONFIG
+    from eagle3_assets.core.verifier import verifier_shape
+    from eagle3_assets.operations.demo import REAL_ASSET_CONFIG
     from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
-    from eagle3_assets.verifier import verifier_shape
 
     vocab = verifier_shape(verifier).vocab_size
     draft_vocab = min(int(REAL_ASSET_CONFIG["vocab_mapping"]["draft_vocab_size"]), vocab // 2)

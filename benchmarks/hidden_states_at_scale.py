@@ -31,7 +31,7 @@ HELD_OUT_KEY, HUMANEVAL_KEY = "90000", "90001"
 
 
 def _layout_with_responses(data: Path, work: Path, keys: list[str]) -> Any:
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     src, layout = DataLayout.at(data), DataLayout.at(work)
     for key in keys:

@@ -32,10 +32,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="vllm requests in flight")
     args = parser.parse_args()
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
 
     verifier = _common.tiny_model(args)
     rows = []

@@ -18,10 +18,10 @@ import _common
 def main() -> int:
     args = _common.tiny_model_parser(__doc__, samples=200).parse_args()
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.storage_format import bytes_per_token
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
 
     verifier = _common.tiny_model(args)
     layer_ids = [1, 2, 3]

@@ -28,12 +28,12 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.backends import plan_batches
     from eagle3_assets.hidden_states.samples import read_ok_responses as _read_ok_responses
     from eagle3_assets.hidden_states.samples import render_rows as _render_rows
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
 
     verifier = _common.tiny_model(args)
     layer_ids = [1, 2, 3] if args.layers <= 4 else None

@@ -167,7 +167,7 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
 
     from eagle3_assets.generation import GenerationConfig
     from eagle3_assets.generation.fullness import ServerFullness
-    from eagle3_assets.generation.partition import generate_partitions
+    from eagle3_assets.generation.partition_run import generate_partitions
     from eagle3_assets.generation.records import PromptToGenerate
     from eagle3_assets.local import accelerator
     from eagle3_assets.local.vllm_server import LocalVLLMServer
@@ -201,8 +201,8 @@ def vllm_generate(args: Any, layout: Any, missing: dict[str, list[dict[str, Any]
 
 
 def write_partition(layout: Any, key: str, rows: list[dict[str, Any]]) -> None:
+    from eagle3_assets.core.storage import write_parquet_atomic
     from eagle3_assets.generation.records import rows_to_frame
-    from eagle3_assets.storage import write_parquet_atomic
 
     for row in rows:
         row["partition_key"] = key
@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--online-held-out", type=int, default=64, help="held-out prompts sent online")
     args = parser.parse_args()
     if not args.precision:
-        from eagle3_assets.precision import fastest_cpu_precision
+        from eagle3_assets.core.precision import fastest_cpu_precision
 
         args.precision = fastest_cpu_precision() if args.device == "cpu" else "auto"
     started = time.perf_counter()
@@ -263,7 +263,7 @@ def main() -> None:
         print(f"wrote {len(rows)} prompts to {args.write_prompts}")
         return
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     args.data.mkdir(parents=True, exist_ok=True)
     layout = DataLayout.at(args.data)
@@ -387,7 +387,7 @@ def write_held_out_prompts(layout: Any, held_out: list[dict[str, Any]]) -> None:
     """The held-out prompts as raw_prompts rows (partition HELD_OUT_KEY), where online evaluation reads them."""
     import polars as pl
 
-    from eagle3_assets.storage import write_parquet_atomic
+    from eagle3_assets.core.storage import write_parquet_atomic
 
     rows = [
         {"sample_id": p["id"], "position": i, "partition_key": HELD_OUT_KEY,
@@ -402,7 +402,7 @@ def measure_online(args: Any, layout: Any, draft: Path, samples: int, out: Path)
     """The draft in vLLM (the project's evaluation): acceptance over every prompt of each set and batch-1 tokens/s
     with and without it, ``--online-repeats`` times per k; one line per (k, repeat, prompt set) in ``out``."""
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
 
     for k in [int(x) for x in args.online_k.split(",")]:
         for repeat in range(args.online_repeats):

@@ -26,7 +26,7 @@ BASE = {"epochs": 1, "lr": 3e-3, "tokens_per_batch": 2048, "max_val_batches": 8,
 def run_variant(
     data: Path, verifier: Path, train: list[str], val: str, base: dict[str, Any], name: str, fields: dict[str, Any]
 ) -> dict[str, Any]:
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
 
     layout = DataLayout.at(data)
@@ -57,8 +57,8 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from eagle3_assets.precision import fastest_cpu_precision
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.precision import fastest_cpu_precision
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import build_vocab_mapping
 
     train = args.train.split(",")

@@ -27,9 +27,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
     args = parser.parse_args()
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
     from eagle3_assets.training import TrainConfig, train_draft
 
     verifier = _common.tiny_model(args).resolve()

@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 
 # One session-scoped real vLLM server for every test that needs it.
 pytest_plugins = ["support.vllm_fixtures", "support.real_model", "support.stand_in_vllm"]

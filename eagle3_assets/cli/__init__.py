@@ -13,57 +13,20 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
 
 
 def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.storage import DataLayout
 
     return DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
 
 
-STATUS_COLUMNS = ("ok", "failed", "truncated", "prompt_tokens", "completion_tokens")
-
-
 def cmd_counts(args: argparse.Namespace) -> int:
-    import duckdb
+    from eagle3_assets.operations.counts import print_counts
 
-    from eagle3_assets import storage
-
-    layout = _layout(args)
-    try:
-        rows = storage.partition_row_counts(layout)
-        status = storage.response_status_counts(layout)
-    except (duckdb.Error, storage.UnreadablePartitionError) as error:
-        print(f"eagle3 counts: {str(error).splitlines()[0]}", file=sys.stderr)
-        print("`eagle3 status` lists each partition file and which one is unreadable", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"data_dir": str(layout.root), "rows": rows, "synthetic_responses": status}, indent=2))
-        return 0
-    if not rows:
-        print(f"nothing materialized yet under {layout.root} (no partition files)")
-        return 0
-    keys = sorted({key for per_asset in rows.values() for key in per_asset})
-    assets = list(rows)
-    # ok/failed/truncated and the token sums are those of synthetic_responses (rows = ok + failed).
-    header = ["partition", *assets, *STATUS_COLUMNS]
-    table = [header]
-    for key in keys:
-        s = status.get(key, {})
-        table.append(
-            [key, *(str(rows[a].get(key, "-")) for a in assets)] + [str(s.get(k, "-")) for k in STATUS_COLUMNS]
-        )
-    totals = ["total", *(str(sum(rows[a].values())) for a in assets)] + [
-        str(sum(s.get(k, 0) for s in status.values())) for k in STATUS_COLUMNS
-    ]
-    table.append(totals)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    print(f"data: {layout.root}")
-    for row in table:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
-    return 0
+    return print_counts(_layout(args), as_json=args.json)
 
 
 def _instance():  # type: ignore[no-untyped-def]
@@ -229,14 +192,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
-    from eagle3_assets.sample_data import write_sample
+    from eagle3_assets.prompts.sample_data import write_sample
 
     print(write_sample(Path(args.out), args.count, args.seed))
     return 0
 
 
 def cmd_build_verifier(args: argparse.Namespace) -> int:
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.local import real_verifier
 
@@ -270,9 +233,12 @@ def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespac
 FORWARDED = {
     "tiny-model": ("eagle3_assets.local.tiny_model", "build the tiny local verifier (model + tokenizer)"),
     "serve-local": ("eagle3_assets.local.vllm_cli", "run the embedded CPU vLLM server"),
-    "demo": ("eagle3_assets.demo", "materialize the whole pipeline on the sample data"),
-    "evaluate": ("eagle3_assets.cli.evaluate", "evaluate a draft model against vLLM (acceptance per position)"),
-    "plan": ("eagle3_assets.cli.plan", "predict a run before it starts: tokens, stage times, hidden-state bytes, disk"),
+    "demo": ("eagle3_assets.operations.demo", "materialize the whole pipeline on the sample data"),
+    "evaluate": ("eagle3_assets.cli.evaluate_command", "evaluate a draft model against vLLM (acceptance per position)"),
+    "plan": (
+        "eagle3_assets.cli.plan_command",
+        "predict a run before it starts: tokens, stage times, hidden-state bytes, disk",
+    ),
 }
 
 

@@ -1,5 +1,7 @@
 """``regeneration_ablation``: drafts trained on the dataset's answers, last-turn and all-turns regeneration, compared.
 
+The Dagster layer of ``evaluation/ablation.py`` (the same concept one layer up: this asset, that module its engine).
+
 Opt-in: in its own group, outside the demo's stages and the automation, with no automation condition; materialize it
 by name (``dagster asset materialize --select regeneration_ablation``). The core is
 :mod:`eagle3_assets.evaluation.ablation`.
@@ -7,13 +9,13 @@ by name (``dagster asset materialize --select regeneration_ablation``). The core
 
 import dagster as dg
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig, hidden_states_config
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig
-from eagle3_assets.settings import setting
 
 GROUP = "ablation"
 # assets that only run when asked for by name: the demo's stages and the automation leave them out
@@ -98,7 +100,7 @@ def regeneration_ablation(
     inference_server: InferenceServerResource,
 ) -> dg.MaterializeResult:
     from eagle3_assets.evaluation.ablation import ablation_folder, run_ablation
-    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
     from eagle3_assets.training import TrainConfig
 
     train = TrainConfig(

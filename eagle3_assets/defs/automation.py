@@ -19,9 +19,9 @@ from typing import Any
 
 import dagster as dg
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.resources import SettingsConfig
-from eagle3_assets.settings import setting
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from eagle3_assets.check_outcome import CheckOutcome
+from eagle3_assets.core.check_outcome import CheckOutcome
 
 
 def check_result(check_name: str, outcome: CheckOutcome) -> dg.AssetCheckResult:

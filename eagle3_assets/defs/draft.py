@@ -6,19 +6,19 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs import metadata
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
-from eagle3_assets.settings import setting
-from eagle3_assets.training.config import LOSS_ON, TrainConfig
+from eagle3_assets.training.train_config import LOSS_ON, TrainConfig
 
 if TYPE_CHECKING:
     from eagle3_assets.training import TrainResult
 
 
 def hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
-    from eagle3_assets.lineage import partitions_passing_checks
+    from eagle3_assets.core.lineage import partitions_passing_checks
 
     # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
     keys, excluded = partitions_passing_checks(
@@ -139,7 +139,7 @@ class DraftModelRunConfig(SettingsConfig):
 def configured_layer_ids(verifier: VerifierResource) -> tuple[int, ...] | None:
     """The aux layer ids the hidden_states asset extracts with now (EAGLE3_LAYER_IDS, else EAGLE-3's default for
     this verifier): training refuses partitions extracted at others. None without a verifier path."""
-    from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
+    from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
 
     if not verifier.path.strip():
         return None
@@ -177,7 +177,7 @@ def _train_under_pipes(
     import tempfile
     from dataclasses import asdict
 
-    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.net.ports import find_free_port
     from eagle3_assets.training import TrainResult
     from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
     from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
@@ -245,7 +245,7 @@ def draft_model(
 
 def draft_model_metadata(result: "TrainResult") -> dict[str, Any]:
     """The draft's materialization metadata: the run's extent, losses and acceptance estimates per epoch."""
-    from eagle3_assets import plots
+    from eagle3_assets.defs import plots
 
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = metadata.table(

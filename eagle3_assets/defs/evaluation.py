@@ -1,10 +1,14 @@
-"""``draft_evaluation``: the trained draft's acceptance in vLLM speculative decoding and offline, vs an untrained."""
+"""``draft_evaluation``: the trained draft's acceptance in vLLM speculative decoding and offline, vs an untrained.
+
+The Dagster layer of ``evaluation/`` (the same concept one layer up: this asset, that room its engine).
+"""
 
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.resources import (
     DataStoreResource,
     EvaluationServersResource,
@@ -12,14 +16,13 @@ from eagle3_assets.defs.resources import (
     VerifierResource,
 )
 from eagle3_assets.evaluation.evaluate import EvaluationOptions
-from eagle3_assets.evaluation.online import OnlineConfig
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT
-from eagle3_assets.settings import setting
 
 if TYPE_CHECKING:
-    from eagle3_assets.evaluation.report import EvaluationReport
-    from eagle3_assets.storage import DataLayout
-    from eagle3_assets.training.online import OnlineExtraction
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.evaluation.evaluation_report import EvaluationReport
+    from eagle3_assets.training.online_states import OnlineExtraction
 
 
 class DraftEvaluationRunConfig(SettingsConfig):
@@ -96,7 +99,7 @@ def evaluation_options(
 def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
     """Where the offline evaluation computes the states a held-out partition built for online training does not
     store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
-    from eagle3_assets.training.online import extraction_side
+    from eagle3_assets.training.online_states import extraction_side
 
     return extraction_side(
         verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
@@ -181,7 +184,7 @@ def draft_evaluation(
 def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dict[str, Any]:
     """The evaluation's materialization metadata: the table, acceptance and speed-up per draft, method and prompt
     set, online vs offline agreement, and acceptance per draft position."""
-    from eagle3_assets import plots
+    from eagle3_assets.defs import plots
 
     metadata: dict[str, Any] = {
         "table": evaluation_table(report),

@@ -1,11 +1,16 @@
-"""``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition."""
+"""``hidden_states``: the verifier's auxiliary hidden states for every ok response of a partition.
+
+The Dagster layer of ``hidden_states/`` (the same concept one layer up: this asset, that room its engine).
+"""
 
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.lineage import HIDDEN_STATES_CODE_VERSION
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
@@ -14,8 +19,6 @@ from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-from eagle3_assets.lineage import HIDDEN_STATES_CODE_VERSION
-from eagle3_assets.settings import setting
 
 TOKEN_IDS = "hidden_states_token_ids_match"
 FINITE = "hidden_states_finite"
@@ -103,15 +106,15 @@ def hidden_states(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
-    from eagle3_assets import publish
+    from eagle3_assets.core.lineage import LINEAGE_FILE, PartitionLineage, record_checks
     from eagle3_assets.hidden_states import (
         check_finite,
         check_one_per_ok_response,
         check_token_ids,
         extract_partition,
+        publish,
     )
-    from eagle3_assets.hidden_states.checks import version_index_path
-    from eagle3_assets.lineage import LINEAGE_FILE, PartitionLineage, record_checks
+    from eagle3_assets.hidden_states.state_checks import version_index_path
 
     _CHECKS = {TOKEN_IDS: check_token_ids, FINITE: check_finite, ONE_PER_OK: check_one_per_ok_response}
 
@@ -142,7 +145,7 @@ def hidden_states_metadata(
     ``index_path``: the index of the version the run pinned (default: the current one)."""
     import polars as pl
 
-    from eagle3_assets import plots
+    from eagle3_assets.defs import plots
 
     index_path = index_path or result.index_path
     lengths = pl.read_parquet(index_path)["seq_len"].to_list()

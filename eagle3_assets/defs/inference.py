@@ -16,10 +16,10 @@ from typing import Any
 import dagster as dg
 from pydantic import PrivateAttr
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.resources import SettingsResource, VerifierResource
-from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.settings import setting
+from eagle3_assets.generation.generation_config import GenerationConfig
 
 
 class InferenceServerResource(SettingsResource):
@@ -197,7 +197,7 @@ class LocalVLLMResource(InferenceServerResource):
         import tempfile
         from pathlib import Path
 
-        from eagle3_assets.lineage import verifier_fingerprint
+        from eagle3_assets.core.lineage import verifier_fingerprint
 
         cache = Path(tempfile.gettempdir()) / f"eagle3-model-hashes-{os.getuid()}"
         cache.mkdir(parents=True, exist_ok=True)

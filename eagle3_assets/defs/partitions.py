@@ -2,14 +2,14 @@
 
 Dynamic partitions registered by ``raw_prompts``: the set follows the dataset without a code edit or a
 definitions reload, and definition load never reads the (possibly huge) dataset. Keys are only ever
-added, because a sample's partition never changes (``eagle3_assets.partitions``).
+added, because a sample's partition never changes (``eagle3_assets.core.partition_keys``).
 """
 
 from __future__ import annotations
 
 import dagster as dg
 
-from eagle3_assets.partitions import check_partition_key
+from eagle3_assets.core.partition_keys import check_partition_key
 
 PROMPT_PARTITIONS = dg.DynamicPartitionsDefinition(name="prompt_partitions")
 

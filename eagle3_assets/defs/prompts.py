@@ -1,12 +1,16 @@
-"""``raw_prompts``: the validated, deduplicated prompt table and the partitions it defines."""
+"""``raw_prompts``: the validated, deduplicated prompt table and the partitions it defines.
+
+The Dagster layer of ``prompts/`` (the same concept one layer up: this asset, that room its engine).
+"""
 
 import dagster as dg
 
-from eagle3_assets import plots, prompt_files, prompt_table
+from eagle3_assets.core.partition_keys import check_partition_key
+from eagle3_assets.defs import plots
 from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
-from eagle3_assets.partitions import check_partition_key
+from eagle3_assets.prompts import prompt_files, prompt_table
 
 
 @dg.asset(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
 from eagle3_assets.defs.automation import CodeLocationSettings
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.resources import (

@@ -17,11 +17,12 @@ from typing import Any
 import dagster as dg
 from pydantic import ValidationError, ValidationInfo, field_validator
 
-from eagle3_assets import prompts, settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.settings import API_KEY_ENV, ConfigError, read_api_key, setting
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, parse_prompt_sets
 from eagle3_assets.local.reasoning import check_reasoning_parser
-from eagle3_assets.settings import API_KEY_ENV, ConfigError, read_api_key, setting
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.prompts import conversations
 
 
 def _name_the_key(cls: type, value: Any, handler: Any, info: ValidationInfo) -> Any:
@@ -154,7 +155,7 @@ class PromptDatasetResource(SettingsResource):
         0, env="EAGLE3_PROMPTS_LIMIT", description="Read only the first N dataset rows; 0: all of them.", ge=0
     )
     max_prompt_chars: int = setting(
-        prompts.DEFAULT_MAX_PROMPT_CHARS,
+        conversations.DEFAULT_MAX_PROMPT_CHARS,
         env="EAGLE3_MAX_PROMPT_CHARS",
         description="Rows whose prompt is longer (characters, all turns) are rejected with that reason.",
         gt=0,
@@ -174,7 +175,7 @@ class PromptDatasetResource(SettingsResource):
 
     def dataset_file(self) -> Path:
         """The dataset file (``package:NAME`` resolved); ConfigError naming EAGLE3_PROMPTS_PATH if there is none."""
-        from eagle3_assets.prompt_files import resolve_dataset_path
+        from eagle3_assets.prompts.prompt_files import resolve_dataset_path
 
         try:
             path = resolve_dataset_path(self.path)

@@ -4,16 +4,16 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from eagle3_assets import plots
+from eagle3_assets.core.lineage import RESPONSES_CODE_VERSION
+from eagle3_assets.core.settings import setting
+from eagle3_assets.defs import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
-from eagle3_assets.generation.checks import DEFAULT_MAX_ERROR_RATE
-from eagle3_assets.lineage import RESPONSES_CODE_VERSION
-from eagle3_assets.settings import setting
+from eagle3_assets.generation.response_checks import DEFAULT_MAX_ERROR_RATE
 
 if TYPE_CHECKING:
     from eagle3_assets.generation import GenerationResult
@@ -60,9 +60,9 @@ def synthetic_responses(
     data_store: DataStoreResource,
     inference_server: InferenceServerResource,
 ):
+    from eagle3_assets.core.lineage import PartitionLineage
     from eagle3_assets.generation import generate_partition, partition_prompts
-    from eagle3_assets.generation.checks import completeness_check, error_rate_check
-    from eagle3_assets.lineage import PartitionLineage
+    from eagle3_assets.generation.response_checks import completeness_check, error_rate_check
 
     layout = data_store.layout
     key = partition_key_of(context)

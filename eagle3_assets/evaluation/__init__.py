@@ -6,6 +6,6 @@ Modules: ``offline`` (simulation with speculators' own model forward), ``online`
 speculators) happen inside functions only, so importing this package stays cheap.
 """
 
-from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, write_report
+from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, write_report
 
 __all__ = ["AcceptanceStats", "EvaluationReport", "write_report"]

@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from eagle3_assets import storage
+from eagle3_assets.core import hashing, storage
+from eagle3_assets.core.partition_keys import partition_key
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.ablation_data import AblationConversation, dataset_rows, select_conversations
 from eagle3_assets.evaluation.ablation_report import AblationReport, DraftRow, write_ablation_report
 from eagle3_assets.generation.records import PromptToGenerate
-from eagle3_assets.partitions import partition_key
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 
 if TYPE_CHECKING:  # importing these pulls in torch
-    from eagle3_assets.evaluation.online import OnlineConfig
-    from eagle3_assets.generation.config import GenerationConfig
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
+    from eagle3_assets.generation.generation_config import GenerationConfig
     from eagle3_assets.hidden_states.extract import HiddenStatesConfig
-    from eagle3_assets.training.config import TrainConfig
+    from eagle3_assets.training.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 Log = Callable[[str], None]
@@ -184,7 +184,7 @@ def _extract(layout: DataLayout, key: str, stages: _Stages) -> float:
 
 
 def _copy_if_changed(source: Path, target: Path) -> None:
-    if not target.exists() or storage.file_digest(target) != storage.file_digest(source):
+    if not target.exists() or hashing.file_digest(target) != hashing.file_digest(source):
         storage.write_bytes_atomic(source.read_bytes(), target)
 
 
@@ -285,7 +285,7 @@ def _train_one(
     epochs, per_epoch = plan
     sizes = {"tokens_per_batch": config.tokens_per_batch, "max_val_batches": config.max_val_batches}
     train = dataclasses.replace(stages.train, seed=seed, epochs=epochs, max_steps_per_epoch=per_epoch, **sizes)
-    data = {k: storage.file_digest(variant.layout.responses_path(k)) for k in [*variant.keys, held_key]}
+    data = {k: hashing.file_digest(variant.layout.responses_path(k)) for k in [*variant.keys, held_key]}
     key = _digest([train.fingerprint_fields(), epochs, data, str(stages.verifier), config.draft_vocab_size,
                    config.k, config.offline_max_samples, eval_keys, config.held_out, config.humaneval])  # fmt: skip
     run_path = layout.draft_model_dir / RUN_FILE
@@ -315,7 +315,7 @@ def _online(rows: list[DraftRow], eval_layout: DataLayout, held: list[PromptToGe
             config: AblationConfig, stages: _Stages, notes: list[str]) -> None:  # fmt: skip
     """Every draft in vLLM on the held-out prompts and HumanEval (one plain baseline); reused while the drafts and
     settings are the same."""
-    from eagle3_assets.evaluation.online import OnlineConfig, evaluate_online
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, evaluate_online
     from eagle3_assets.evaluation.prompt_sets import HELD_OUT, HUMANEVAL, Prompt, fitting_prompts, humaneval_prompts
 
     cfg = dataclasses.replace(stages.online or OnlineConfig(), k=config.k)
@@ -328,7 +328,7 @@ def _online(rows: list[DraftRow], eval_layout: DataLayout, held: list[PromptToGe
         if dropped:
             notes.append(f"online {name}: {len(dropped)} prompts longer than the servers' context left out")
     drafts = {row.key(): Path(row.draft_dir) for row in rows}
-    key = _digest([{k: storage.file_digest(d / "model.safetensors") for k, d in drafts.items()},
+    key = _digest([{k: hashing.file_digest(d / "model.safetensors") for k, d in drafts.items()},
                    {k: [p.sample_id for p in v] for k, v in sets.items()}, cfg.max_tokens, cfg.k])  # fmt: skip
     cached = _read(root / ONLINE_FILE)
     if cached.get("key") != key:

@@ -18,10 +18,10 @@ from typing import Any
 
 import polars as pl
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, normalize_messages, rows_to_frame
 from eagle3_assets.hidden_states.render import common_prefix_length
-from eagle3_assets.prompt_table import dataset_turns_path
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.prompts.prompt_table import dataset_turns_path
 
 Messages = list[dict[str, str]]
 

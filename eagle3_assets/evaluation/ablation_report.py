@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets import storage
+from eagle3_assets.core import storage
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.evaluation.online import OnlineConfig
-from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
 
 if TYPE_CHECKING:
-    from eagle3_assets.training.online import OnlineExtraction
+    from eagle3_assets.training.online_states import OnlineExtraction
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _online(
     notes: list[str],
 ) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
     """The drafts in vLLM on every named prompt set."""
-    from eagle3_assets.evaluation.online import evaluate_online
+    from eagle3_assets.evaluation.online_metrics import evaluate_online
     from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
 
     cfg = options.online_config
@@ -168,7 +168,7 @@ def _missing_states(
     none missing, or no extraction side given: the stored ones are evaluated, and the notes say how many)."""
     import polars as pl
 
-    from eagle3_assets.hidden_states.checks import version_index_path
+    from eagle3_assets.hidden_states.state_checks import version_index_path
 
     index = pl.read_parquet(version_index_path(layout, partition, folder), columns=["file"])
     missing = index["file"].null_count()
@@ -179,8 +179,8 @@ def _missing_states(
         notes.append(f"offline: {index.height - missing} of {index.height} held-out samples store states; only those")
         yield None
         return
-    from eagle3_assets.hidden_states.checks import read_meta
-    from eagle3_assets.training.online import ONLINE_TRANSFER_DIR, fetching, for_partition
+    from eagle3_assets.hidden_states.state_checks import read_meta
+    from eagle3_assets.training.online_states import ONLINE_TRANSFER_DIR, fetching, for_partition
 
     notes.append(f"offline: {missing} of {index.height} held-out samples' states computed by the "
                  f"{extraction.backend} backend (the partition was built for online training)")  # fmt: skip
@@ -201,8 +201,9 @@ def _offline(
     """The drafts simulated on the held-out partition: one version of it, pinned while it is read, and refused
     when its lineage is stale for these drafts (other responses, another verifier, other layers than the
     trained draft consumes)."""
-    from eagle3_assets import lineage, publish
+    from eagle3_assets.core import lineage
     from eagle3_assets.evaluation.offline import evaluate_offline
+    from eagle3_assets.hidden_states import publish, versions
 
     trained = models["trained"]
     current = {
@@ -210,7 +211,7 @@ def _offline(
         "layer_ids": [int(i) for i in trained.target_layer_ids],
     }
     with publish.pinned(layout, [partition]) as dirs:
-        lineage.require_current_hidden_states(layout, [partition], current, dirs, "evaluation (offline)")
+        versions.require_current_hidden_states(layout, [partition], current, dirs, "evaluation (offline)")
         args = (layout, partition, options.k, verifier_path, options.offline_max_samples, say)
         with _missing_states(layout, partition, dirs[partition], verifier_path, options.extraction, notes) as fetch:
             return evaluate_offline(models, *args, device=options.device, fetch=fetch, data_dir=dirs[partition])

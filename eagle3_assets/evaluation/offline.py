@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.evaluation.report import AcceptanceStats
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,7 @@ def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, 
     import os
     import shutil
 
-    from eagle3_assets.storage import remove_dead_writers_temps, replace_dir_atomic
+    from eagle3_assets.core.storage import remove_dead_writers_temps, replace_dir_atomic
 
     untrained = build_untrained_like(model, seed, init)
     out_dir = Path(out_dir)
@@ -172,7 +172,7 @@ def iter_samples(
     """(sample_id, input_ids [T], loss_mask [T], hidden_states [T, n_aux+1, H]) of a partition, in row order.
 
     A partition built for online training stores some states (a disk budget) or none. ``fetch`` (token id lists ->
-    states: :func:`eagle3_assets.training.online.fetching`) computes the missing ones; without it only the stored
+    states: :func:`eagle3_assets.training.online_states.fetching`) computes the missing ones; without it only the stored
     samples are yielded, and a partition that stores none is an error naming the remedy.
 
     Everything comes from ONE version of the partition: ``data_dir`` (a version folder the caller pinned), else
@@ -182,7 +182,7 @@ def iter_samples(
     index_path = layout.hidden_states_index_path(partition_key)
     if data_dir is None and not index_path.exists():
         raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
-    from eagle3_assets.hidden_states.checks import version_folder
+    from eagle3_assets.hidden_states.state_checks import version_folder
 
     with version_folder(layout, partition_key, data_dir) as folder:
         yield from _version_samples(layout, partition_key, folder, max_samples, fetch)
@@ -194,7 +194,7 @@ def _version_samples(
     import polars as pl
     from datasets import load_from_disk
 
-    from eagle3_assets.hidden_states.checks import version_index_path
+    from eagle3_assets.hidden_states.state_checks import version_index_path
 
     index_path = version_index_path(layout, partition_key, data_dir)
     if not index_path.exists():

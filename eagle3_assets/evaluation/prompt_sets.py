@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 
 HELD_OUT = "held-out"
 HUMANEVAL = "humaneval"
@@ -38,7 +38,7 @@ class Prompt:
 
 def parse_prompt_sets(key: str, value: object) -> list[str]:
     """Comma-separated prompt-set names: each known, none twice, at least one."""
-    from eagle3_assets.settings import fail
+    from eagle3_assets.core.settings import fail
 
     names = [part.strip() for part in str(value).split(",") if part.strip()]
     known = ", ".join(PROMPT_SETS)

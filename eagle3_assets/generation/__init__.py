@@ -6,8 +6,8 @@ Entry point: :func:`generate_partition`.
 
 from __future__ import annotations
 
-from eagle3_assets.generation.config import GenerationConfig
-from eagle3_assets.generation.partition import generate_partition, partition_prompts
+from eagle3_assets.generation.generation_config import GenerationConfig
+from eagle3_assets.generation.partition_run import generate_partition, partition_prompts
 from eagle3_assets.generation.records import (
     COLUMNS,
     RESPONSE_SCHEMA,
@@ -15,7 +15,7 @@ from eagle3_assets.generation.records import (
     STATUS_OK,
     PromptToGenerate,
 )
-from eagle3_assets.generation.run_parts import GenerationResult
+from eagle3_assets.generation.run_common import GenerationResult
 
 __all__ = [
     "COLUMNS",

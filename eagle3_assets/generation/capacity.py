@@ -44,9 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.bounded_http import PAGE_LIMIT_BYTES
-from eagle3_assets.generation.config import GenerationConfig, display_url
-from eagle3_assets.generation.endpoints import Endpoint
+from eagle3_assets.generation.generation_config import GenerationConfig
+from eagle3_assets.net.bounded_http import PAGE_LIMIT_BYTES
+from eagle3_assets.net.credentials import display_url
+from eagle3_assets.net.endpoints import Endpoint
 
 FIRST_REPOLL_S = 0.05
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.generation.capacity import CapacityMonitor, PartitionLine
-from eagle3_assets.generation.config import GenerationConfig, display_url
-from eagle3_assets.generation.endpoints import Endpoint, EndpointPool
 from eagle3_assets.generation.errors import (
     AUTH_STATUS,
     AuthRejected,
@@ -29,6 +28,7 @@ from eagle3_assets.generation.errors import (
     auth_failure_text,
     classify,
 )
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.records import (
     STATUS_FAILED,
     STATUS_OK,
@@ -38,7 +38,8 @@ from eagle3_assets.generation.records import (
 )
 from eagle3_assets.generation.replies import Completion, build_body
 from eagle3_assets.generation.transport import Transport
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.net.credentials import display_url
+from eagle3_assets.net.endpoints import Endpoint, EndpointPool
 
 Log = Callable[[str], None]
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_assets.hashing import digest
+from eagle3_assets.core.hashing import digest
 
 # Bump when the hashed payload changes shape: every stored row then counts as stale once, by design.
 FINGERPRINT_VERSION = 1

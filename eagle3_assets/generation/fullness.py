@@ -14,8 +14,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from eagle3_assets.bounded_http import read_capped
 from eagle3_assets.generation.capacity import metrics_url, parse_load
+from eagle3_assets.net.bounded_http import read_capped
 
 POLL_INTERVAL_S = 0.5  # the gauges move at the engine's step rate; two readings a second resolve a tail of seconds
 POLL_TIMEOUT_S = 2.0  # one /metrics read; a slower page is a missed reading, not a stall of the watcher

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from eagle3_assets import storage
+from eagle3_assets.core import storage
 from eagle3_assets.generation.records import STATUS_OK
 
 _loads = orjson.loads

@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 import orjson
 
-from eagle3_assets.bounded_http import ReplyTooLarge, capped_openai_http_client
-from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.errors import (
     RequestFailed,
     _chain,
@@ -43,15 +41,10 @@ from eagle3_assets.generation.errors import (
     status_failure,
     too_large_failure,
 )
-from eagle3_assets.generation.replies import (
-    CHAT_PATH,
-    Completion,
-    ReplyLimit,
-    parse_completion,
-    parse_sse,
-    read_sse,
-    reply_limit,
-)
+from eagle3_assets.generation.generation_config import GenerationConfig
+from eagle3_assets.generation.replies import CHAT_PATH, Completion, parse_completion, parse_sse, read_sse
+from eagle3_assets.net.bounded_http import ReplyTooLarge, capped_openai_http_client
+from eagle3_assets.net.reply_limits import ReplyLimit, reply_limit
 
 if TYPE_CHECKING:
     import httpx2
@@ -257,7 +250,7 @@ class OpenAITransport:
     """Stock ``openai.AsyncOpenAI`` over ``openai.DefaultAioHttpClient``; the reply parsed as raw bytes.
 
     Every body, whatever its status, is capped as it arrives by the client's response hook
-    (:func:`eagle3_assets.bounded_http.capped_openai_http_client`): the SDK itself reads an error body whole before
+    (:func:`eagle3_assets.net.bounded_http.capped_openai_http_client`): the SDK itself reads an error body whole before
     it raises, and a model list or a warm-up GET whole, where no code of ours could bound it afterwards.
     """
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets import storage
-from eagle3_assets.generation.config import GenerationConfig
+from eagle3_assets.core import hashing, storage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import (
     FINGERPRINT_COLUMN,
@@ -39,6 +39,7 @@ from eagle3_assets.generation.fingerprint import (
     prompt_set_digest,
     request_fingerprint,
 )
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import (
     STATUS_FAILED,
@@ -49,7 +50,6 @@ from eagle3_assets.generation.records import (
 )
 from eagle3_assets.generation.records import rows_to_frame as _frame
 from eagle3_assets.generation.transport import close_all, make_transports
-from eagle3_assets.storage import DataLayout
 
 Log = Callable[[str], None]
 Record = dict[str, Any]
@@ -228,7 +228,7 @@ def _read_store(
     """(the stored turn records that answer the current requests, the others: kept aside, never dropped).
 
     A store that cannot be read fails the run naming it; one proven corrupt is archived (``run_parts``)."""
-    from eagle3_assets.generation.run_parts import read_finished_parquet
+    from eagle3_assets.generation.run_common import read_finished_parquet
 
     frame = read_finished_parquet(path, archive_dir, log)
     if frame is None:
@@ -251,7 +251,7 @@ async def _pool(
     line_dir: Path,
 ) -> EngineStats:
     """Run the first pending turn of every conversation; each ok turn queues the conversation's next one."""
-    from eagle3_assets.generation.run_parts import run_journaled
+    from eagle3_assets.generation.run_common import run_journaled
 
     transports = make_transports(config)
     engine: Engine | None = None
@@ -280,7 +280,7 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.run_parts import (
+    from eagle3_assets.generation.run_common import (
         corrupt_dir,
         generation_result,
         previous_rows,
@@ -338,7 +338,7 @@ def generate_all_turns(
         # and the store's turns of other settings, are kept in the superseded archive, not dropped.
         set_aside(layout, partition_key, wanted, pl.concat([frame, turns]), log, stored_other, contents.stale)
         storage.write_parquet_atomic(frame, final_path)
-        data_version = storage.file_digest(final_path)
+        data_version = hashing.file_digest(final_path)
         manifest = {
             "partition_key": partition_key, "request": inputs.as_dict(), "regenerate": "all-turns",
             "settings_digest": settings, "rows": frame.height, "data_version": data_version,

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.core.settings import ConfigError
 
 if TYPE_CHECKING:
     import torch

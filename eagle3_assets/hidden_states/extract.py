@@ -12,11 +12,12 @@ checked against speculators 0.9.0's loader and ``hs_connectors.FileTransfer``)::
 
 plus ``index.parquet`` (sample_id, row, seq_len, n_loss_tokens, file, bytes) and ``lineage.json``, written LAST.
 The partition is built in ``_staging/{key}`` and published whole by one atomic pointer switch
-(:mod:`eagle3_assets.publish`): ``layout.hidden_states_dir(key)`` and ``layout.hidden_states_index_path(key)``
+(:mod:`eagle3_assets.hidden_states.publish`):
+``layout.hidden_states_dir(key)`` and ``layout.hidden_states_index_path(key)``
 are links that follow it.
 
 Which responses become rows and how a sample file is written: :mod:`eagle3_assets.hidden_states.samples`; the
-asset checks: :mod:`eagle3_assets.hidden_states.checks`. Resuming: a sample file at its final name is kept when it
+asset checks: :mod:`eagle3_assets.hidden_states.state_checks`. Resuming: a sample file at its final name is kept when it
 opens, has the right shape and its ``token_ids`` equal the sample's ids, otherwise it is redone; the temporary
 files a killed run left are deleted first.
 """
@@ -35,20 +36,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets import lineage
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import (
+    DataLayout,
+    atomic_path,
+    ensure_free_space,
+    exclusive_lock,
+    remove_dead_writers_temps,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
+from eagle3_assets.hidden_states import versions
 from eagle3_assets.hidden_states.backends import (
     BACKEND_NAMES,
     make_backend,
     plan_batches,
     torch_threads,
-)
-from eagle3_assets.hidden_states.checks import (  # noqa: F401 (re-exported: callers import them from here)
-    META_FILE,
-    CheckOutcome,
-    check_finite,
-    check_one_per_ok_response,
-    check_token_ids,
-    read_meta,
 )
 from eagle3_assets.hidden_states.samples import (
     HS_FILE,
@@ -62,19 +66,16 @@ from eagle3_assets.hidden_states.samples import (
     validate_sample_file,
     write_sample,
 )
+from eagle3_assets.hidden_states.state_checks import (  # noqa: F401 (re-exported: callers import them from here)
+    META_FILE,
+    CheckOutcome,
+    check_finite,
+    check_one_per_ok_response,
+    check_token_ids,
+    read_meta,
+)
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES, backend_dtype
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import (
-    DataLayout,
-    atomic_path,
-    ensure_free_space,
-    exclusive_lock,
-    remove_dead_writers_temps,
-    write_json_atomic,
-    write_parquet_atomic,
-)
-from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
 if TYPE_CHECKING:
     import polars as pl
@@ -257,15 +258,15 @@ def _finish(
 ) -> tuple[int, Path]:
     """The training dataset, token frequencies, metadata, index and lineage record in the staging folder, then
     the partition published whole with one atomic switch; returns the sample files' bytes and the folder."""
-    from eagle3_assets.publish import INDEX_FILE
+    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     _save_dataset(staging, rows)
     _save_token_freq(staging, rows)
     write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)
     total = int(_write_index(staging / INDEX_FILE, staging, rows, kept)["bytes"].sum())
-    lineage.record_hidden_states(staging, partition_key, extraction, responses_digest)
+    versions.record_hidden_states(staging, partition_key, extraction, responses_digest)
     # the sample files were each fsynced as written (samples.write_sample), or are hard links of synced ones
-    data_dir = lineage.publish_hidden_states(layout, partition_key, staging, files_synced_in=(HS_SUBDIR,))
+    data_dir = versions.publish_hidden_states(layout, partition_key, staging, files_synced_in=(HS_SUBDIR,))
     return total, data_dir
 
 
@@ -296,10 +297,10 @@ def extract_partition(
                 "nothing to extract; regenerate the partition first"
             )
         # Built aside and published whole: the old partition (index included) stays usable until then.
-        extraction = lineage.hidden_states_extraction_inputs(
+        extraction = versions.hidden_states_extraction_inputs(
             layout, verifier_path, layer_ids, config.max_seq_len, config.dtype
         )
-        data_dir = lineage.begin_hidden_states(layout, partition_key, extraction)
+        data_dir = versions.begin_hidden_states(layout, partition_key, extraction)
         rows, served = render_rows(ok, verifier_path, config.max_seq_len, shape.vocab_size, partition_key)
         _cleanup(data_dir, len(rows))
         kept, pending, notes = _plan_rows(rows, data_dir, config, n_states, shape.hidden_size)

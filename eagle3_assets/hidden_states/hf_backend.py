@@ -2,7 +2,7 @@
 
 Devices (``EAGLE3_DEVICE``): ``auto`` spreads the model over every visible GPU with ``device_map="auto"`` (a model
 too big for one GPU but not for the node), or the CPU when there is none; ``cuda`` means every visible GPU too;
-``cuda:N`` one GPU; ``cpu`` the CPU. Compute precision is ``EAGLE3_PRECISION`` (``eagle3_assets/precision.py``):
+``cuda:N`` one GPU; ``cpu`` the CPU. Compute precision is ``EAGLE3_PRECISION`` (``eagle3_assets/core/precision.py``):
 by default bfloat16 on GPUs and float32 on the CPU (what the verifier is served in there).
 
 Only the needed layers are kept: a forward pre-hook on decoder layer ``i`` captures its input (layer id ``i``,
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.precision import resolve_precision
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.core.precision import resolve_precision
+from eagle3_assets.core.settings import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3_assets.core.storage import DataLayout, DiskSpaceError, atomic_path, read_error_keeping
 from eagle3_assets.hidden_states import storage_format
-from eagle3_assets.storage import DataLayout, DiskSpaceError, atomic_path, read_error_keeping
 
 if TYPE_CHECKING:
     import polars as pl
@@ -76,7 +76,7 @@ def read_ok_responses_with_digest(layout: DataLayout, partition_key: str) -> tup
         data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"no synthetic_responses partition {partition_key!r} at {path}") from None
-    digest = hashlib.sha256(data).hexdigest()[:32]  # storage.file_digest's form: comparable with data versions
+    digest = hashlib.sha256(data).hexdigest()[:32]  # hashing.file_digest's form: comparable with data versions
     columns = ["sample_id", "messages", "reasoning", "content", "status"]
     # partitions generated before the token-id columns existed (or by a server without them) render instead
     served = [c for c in TOKEN_ID_COLUMNS if c in pl.read_parquet_schema(io.BytesIO(data))]

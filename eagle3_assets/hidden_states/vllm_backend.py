@@ -5,12 +5,12 @@ How it works (vLLM's ``extract_hidden_states`` speculative method plus a hidden-
 1. each extraction server serves the verifier with ``--speculative-config '{"method": "extract_hidden_states",
    ...eagle_aux_hidden_state_layer_ids...}'`` and ``--kv-transfer-config`` naming a hidden-states connector that
    writes one safetensors file per request into a ``shared_storage_path`` (see
-   :mod:`eagle3_assets.local.extraction` for the exact arguments, and docs/scaling.md for a multi-GPU server);
+   :mod:`eagle3_assets.local.extraction_server` for the exact arguments, and docs/scaling.md for a multi-GPU server);
 2. every sample's STORED token ids (prompt + completion, as the generating server returned them) go out as a
    Completions request with ``prompt`` = the ids and ``max_tokens=1``, through speculators'
    ``generate_hidden_states_async`` (which also checks the echoed prompt ids); many requests are in flight at
    once, spread over the servers by least outstanding requests, with retries and benching of failing servers
-   (the generation engine's :class:`~eagle3_assets.generation.endpoints.EndpointPool`);
+   (the generation engine's :class:`~eagle3_assets.net.endpoints.EndpointPool`);
 3. the file the response names (``kv_transfer_params.hidden_states_path``) is read once the connector releases
    its ``.lock``, checked (token ids equal to the ids sent, shape ``[T, n_aux + 1, H]``, finite values), converted
    to the storage dtype, and deleted with its lock file whatever the outcome.
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
 from eagle3_assets.hidden_states.connector_files import (
     ExtractionError,
     ExtractionStopped,
@@ -50,7 +51,6 @@ from eagle3_assets.hidden_states.connector_files import (
     read_connector_file,
     sweep_stale_files,
 )
-from eagle3_assets.settings import OUTAGE_BUDGET_S, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +127,7 @@ class VLLMBackend:
     ) -> None:
         import torch
 
-        from eagle3_assets.verifier import verifier_shape
+        from eagle3_assets.core.verifier import verifier_shape
 
         self.options = options or VLLMBackendOptions()
         self.layer_ids = list(layer_ids)
@@ -165,7 +165,7 @@ class VLLMBackend:
             raise
 
     def _start_embedded(self, verifier_path: Path) -> tuple[list[str], str]:
-        from eagle3_assets.local.extraction import start_extraction_server
+        from eagle3_assets.local.extraction_server import start_extraction_server
 
         if self.options.storage_path:
             storage = Path(self.options.storage_path)
@@ -190,11 +190,11 @@ class VLLMBackend:
     def _connect(self, urls: list[str]) -> tuple[Any, dict[str, Any], str]:
         import openai
 
-        from eagle3_assets.bounded_http import capped_openai_http_client
-        from eagle3_assets.generation.config import display_url, split_credentials
-        from eagle3_assets.generation.endpoints import EndpointPool
-        from eagle3_assets.generation.replies import reply_limit
         from eagle3_assets.local.vllm_probe import probe_models
+        from eagle3_assets.net.bounded_http import capped_openai_http_client
+        from eagle3_assets.net.credentials import display_url, split_credentials
+        from eagle3_assets.net.endpoints import EndpointPool
+        from eagle3_assets.net.reply_limits import reply_limit
 
         # credentials inside a URL become its Authorization header; the URL itself is used (and shown) without them
         auth = dict(split_credentials(url) for url in urls)
@@ -238,7 +238,9 @@ class VLLMBackend:
 
         future = asyncio.run_coroutine_threadsafe(self._extract_all([list(ids) for ids in batch]), self._loop)
         try:
-            while not future.done():  # woken up regularly so a signal's handler runs (see eagle3_assets/interrupts.py)
+            while (
+                not future.done()
+            ):  # woken up regularly so a signal's handler runs (see eagle3_assets/core/interrupts.py)
                 concurrent.futures.wait([future], timeout=0.2)
             return future.result()
         except BaseException:
@@ -328,7 +330,7 @@ class VLLMBackend:
         the run), an outage (:class:`_Outage`: retried, benches the server) or another status (:class:`_Retry`)."""
         import openai
 
-        from eagle3_assets.bounded_http import ReplyTooLarge
+        from eagle3_assets.net.bounded_http import ReplyTooLarge
         from eagle3_assets.speculators_adapter import hidden_states_client
 
         client = hidden_states_client()

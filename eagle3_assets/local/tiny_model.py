@@ -100,7 +100,7 @@ _STDLIB_CORPUS_MODULES = (
 
 def default_corpus() -> Iterator[str]:
     """Tokenizer training text: the shipped sample prompts (if present), then a fixed set of stdlib sources."""
-    from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
+    from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
 
     if SAMPLE_PROMPTS_PATH.is_file():
         with SAMPLE_PROMPTS_PATH.open(encoding="utf-8") as handle:

@@ -4,9 +4,10 @@ API key: vLLM requires ``Authorization: Bearer KEY`` on ``/v1/*`` (not on ``/met
 process has ``VLLM_API_KEY`` in its environment or an ``--api-key`` argument. The key is never logged or put in an
 error message.
 
-Every body is read within a size limit and a whole-request deadline (:func:`eagle3_assets.bounded_http.read_capped`):
-urllib's timeout bounds each socket operation, so a server that answers 200 and trickles the body, or never ends it,
-would otherwise hold the caller forever or fill its memory.
+Every body is read within a size limit and a whole-request deadline
+(:func:`eagle3_assets.net.bounded_http.read_capped`): urllib's timeout bounds each socket operation, so a server
+that answers 200 and trickles the body, or never ends it, would otherwise hold the caller forever or fill its
+memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from eagle3_assets.bounded_http import read_capped
+from eagle3_assets.net.bounded_http import read_capped
 
 API_KEY_ENV = "VLLM_API_KEY"  # what vLLM reads; enforced on /v1/* when set
 
@@ -75,7 +76,7 @@ def unauthorized_message(base_url: str, api_key: str | None) -> str:
 
 def read_metrics(base_url: str, timeout_s: float = 10.0) -> str:
     """The server's Prometheus text (``/metrics`` lives beside ``/v1``, not under it), whole within ``timeout_s``
-    (else TimeoutError) and the size limit (else :class:`~eagle3_assets.bounded_http.ReplyTooLarge`)."""
+    (else TimeoutError) and the size limit (else :class:`~eagle3_assets.net.bounded_http.ReplyTooLarge`)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     deadline = time.monotonic() + timeout_s
     with urllib.request.urlopen(f"{root}/metrics", timeout=timeout_s) as response:

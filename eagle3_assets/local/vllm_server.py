@@ -14,7 +14,7 @@ process has ``VLLM_API_KEY`` in its environment. ``--api-key`` in ``extra_args``
 the server's environment (``extra_env`` over the caller's); it is never put on the command line, in the log or in an
 error message. A server that answers 401 fails ``start()`` at once.
 
-Lifetime and reuse (``eagle3_assets/process_guard.py``): a server started here gets SIGTERM when the thread that
+Lifetime and reuse (``eagle3_assets/core/process_guard.py``): a server started here gets SIGTERM when the thread that
 started it dies (even by SIGKILL), except a detached ``start``; ``reuse_existing`` accepts only a server this project
 started (a per-user record of pid, port and model folder) for the same model folder and served name, whose process
 and listening socket belong to the current user. Logs and records live in a per-user folder
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +38,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from eagle3_assets import process_guard
+from eagle3_assets.core import process_guard
+from eagle3_assets.core.settings import REPO_ROOT
 from eagle3_assets.local.process_group import SIGINT_WAIT_S, only_zombies, stop_process_group
 from eagle3_assets.local.reasoning import resolve_reasoning_parser
 from eagle3_assets.local.vllm_probe import (
@@ -51,31 +51,28 @@ from eagle3_assets.local.vllm_probe import (
     read_metrics,
     unauthorized_message,
 )
+from eagle3_assets.net.ports import LOOPBACK, port_in_use
 
 __all__ = [
     "API_KEY_ENV",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
-    "REPO_ROOT",
     "LocalVLLMServer",
     "VLLMNotInstalledError",
     "VLLMServerConfig",
     "VLLMServerError",
     "check_vllm_python",
-    "find_free_port",
     "list_models",
     "log_tail",
     "metric_total",
     "only_zombies",
-    "port_in_use",
     "read_metrics",
     "stop_process_group",
 ]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "EAGLE3_VLLM_PYTHON"
 ENV_LOG_DIR = "EAGLE3_VLLM_LOG_DIR"
 DEFAULT_PORT = 8000
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HOST = LOOPBACK
 
 # Measured on the 2-core CPU machines (see docs/local_vllm.md): start-up with --enforce-eager is 65-100 s on an
 # idle machine; leave headroom for a loaded CI box.
@@ -144,18 +141,6 @@ def check_vllm_python(python: Path | None = None, import_check: bool = False) ->
             tail = "\n".join(result.stderr.strip().splitlines()[-15:])
             raise VLLMNotInstalledError(f"`{python} -c 'import vllm'` failed; {hint}\n{tail}")
     return python
-
-
-def find_free_port(host: str = DEFAULT_HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(1.0)
-        return sock.connect_ex((host, port)) == 0
 
 
 @dataclass

@@ -14,7 +14,7 @@ UI's launch dialog and the GraphQL ``launchPartitionBackfill`` mutation store. I
 queue and the ``vllm`` pool, and the backfill appears under Overview > Backfills.
 
 A ``hidden_states`` partition built from other responses than the file on disk, or with another verifier or other
-layer ids than the environment's, is planned too (``lineage.stale_hidden_states``); planning first finishes a
+layer ids than the environment's, is planned too (``versions.stale_hidden_states``); planning first finishes a
 publish a kill interrupted (``publish.recover_idle``).
 
 Downstream: descendants partitioned like the anchor asset (hidden_states) get the anchor's targets plus
@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.partition_keys import check_partition_key
 from eagle3_assets.operations.common import (
     FAILED,
     IN_PROGRESS,
@@ -40,13 +41,12 @@ from eagle3_assets.operations.common import (
     registered_partition_keys,
     stale_downstream,
 )
-from eagle3_assets.partitions import check_partition_key
 
 if TYPE_CHECKING:
     import dagster as dg
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.operations.dagster_internals import BaseAssetGraph
-    from eagle3_assets.storage import DataLayout
 
 DEFAULT_ASSET = "synthetic_responses"
 LAUNCHED_BY_TAG = "eagle3/launched_by"
@@ -112,7 +112,7 @@ def plan_missing(
         scope = [k for k in registered if k in set(partitions)]
     plan = BackfillPlan(asset=asset, registered=registered, status={})
     if layout is not None and asset == DEFAULT_ASSET:
-        from eagle3_assets.lineage import prompt_drift
+        from eagle3_assets.core.lineage import prompt_drift
 
         plan.stale = {k: d.describe() for k, d in prompt_drift(layout, scope).items()}
     if layout is not None:
@@ -145,7 +145,7 @@ def _failed_checks(
     counts them as materialized (the output was written before its checks ran), but nothing downstream uses them."""
     if layout is None:
         return {}
-    from eagle3_assets.lineage import PartitionLineage
+    from eagle3_assets.core.lineage import PartitionLineage
 
     found: dict[str, dict[str, str]] = {}
     for key in keys:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.partitions import KEY_PATTERN
+from eagle3_assets.core.partition_keys import KEY_PATTERN
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +149,9 @@ def current_extraction_settings(layout: Any) -> dict[str, Any]:
     (then only the responses are compared). max_seq_len and dtype are per-run config, so they are not compared."""
     import json
 
+    from eagle3_assets.core.lineage import verifier_fingerprint
+    from eagle3_assets.core.verifier import resolve_layer_ids
     from eagle3_assets.defs.resources import VerifierResource
-    from eagle3_assets.lineage import verifier_fingerprint
-    from eagle3_assets.verifier import resolve_layer_ids
 
     try:
         verifier = VerifierResource.from_env()
@@ -170,8 +170,8 @@ def current_extraction_settings(layout: Any) -> dict[str, Any]:
 def stale_downstream(layout: Any, keys: Sequence[str] | None, extraction: Any = None) -> dict[str, str]:
     """hidden_states partitions built from other responses or settings than the current ones (key -> why), after
     finishing any publish a kill interrupted (``publish.recover_idle``). ``extraction`` None: the environment's."""
-    from eagle3_assets import publish
-    from eagle3_assets.lineage import stale_hidden_states
+    from eagle3_assets.hidden_states import publish
+    from eagle3_assets.hidden_states.versions import stale_hidden_states
 
     publish.recover_idle(layout, keys)
     if extraction is None:

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import write_json_atomic
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from eagle3_assets.core.settings import REPO_ROOT
+from eagle3_assets.core.storage import write_json_atomic
 
 
 def commit_of(repo: Path = REPO_ROOT) -> tuple[str, bool]:
@@ -136,8 +135,8 @@ class MeasurementFile:
 
     def finish_run(self, data_dir: Path) -> Path:
         """:meth:`finish` with what an ``eagle3 demo`` run left in ``data_dir``."""
-        from eagle3_assets import storage
-        from eagle3_assets.evaluation.report import REPORT_JSON
+        from eagle3_assets.core import storage
+        from eagle3_assets.evaluation.evaluation_report import REPORT_JSON
         from eagle3_assets.training.checkpoints import HISTORY_FILE  # torch: only once the run is over
 
         layout = storage.DataLayout.at(data_dir)

@@ -26,9 +26,9 @@ from typing import Any
 
 import dagster as dg
 
+from eagle3_assets.core.process_guard import with_parent_death_signal
 from eagle3_assets.local.process_group import stop_process_group
 from eagle3_assets.operations.dagster_internals import instance_from_ref_json, instance_ref_json
-from eagle3_assets.process_guard import with_parent_death_signal
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.operations.common import (
     FAILED,
     MATERIALIZED,
@@ -26,7 +27,6 @@ from eagle3_assets.operations.common import (
     partition_status,
     registered_partition_keys,
 )
-from eagle3_assets.storage import DataLayout
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -89,8 +89,8 @@ def validate_prompts(layout: DataLayout) -> FileVerdict:
 def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | None) -> FileVerdict:
     import duckdb
 
-    from eagle3_assets.generation.checks import completeness_check
     from eagle3_assets.generation.records import COLUMNS
+    from eagle3_assets.generation.response_checks import completeness_check
 
     path = layout.responses_path(key)
     try:
@@ -104,7 +104,7 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
     outcome = completeness_check(path, expected_ids)
     if not outcome.passed:
         return FileVerdict("synthetic_responses", key, path, False, f"incomplete: {outcome.description}")
-    from eagle3_assets.lineage import prompt_drift
+    from eagle3_assets.core.lineage import prompt_drift
 
     drift = prompt_drift(layout, [key]).get(key)  # same ids, other prompts: the rows answer old questions
     if drift is not None:

@@ -53,7 +53,7 @@ from eagle3_assets.planning.measured import (
     responses_completion,
 )
 from eagle3_assets.planning.plan import DISK_HEADROOM, PartitionPlan, Plan, StagePlan, build_plan, free_at
-from eagle3_assets.planning.report import Comparison, compare, render
+from eagle3_assets.planning.plan_report import Comparison, compare, render
 
 __all__ = [
     "DISK_HEADROOM",

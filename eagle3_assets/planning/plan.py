@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.partition_keys import partition_key
+from eagle3_assets.core.storage import ensure_free_space, free_bytes
 from eagle3_assets.hidden_states.samples import estimate_bytes
 from eagle3_assets.hidden_states.storage_format import (
     FP8,
     STORAGE_DTYPES,
 )
-from eagle3_assets.partitions import partition_key
 from eagle3_assets.planning.inputs import (
     NO_RATE,
     PLANNED_DTYPES,
@@ -24,7 +25,6 @@ from eagle3_assets.planning.inputs import (
     Rate,
     sample_file_bytes,
 )
-from eagle3_assets.storage import ensure_free_space, free_bytes
 
 # storage.ensure_free_space's margin: the plan advises against a store the extraction itself would refuse
 DISK_HEADROOM: float = inspect.signature(ensure_free_space).parameters["headroom"].default

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import (
+from eagle3_assets.core.storage import (
     DiskSpaceError,
     archive_corrupt,
     atomic_path,
@@ -51,7 +51,7 @@ from eagle3_assets.storage import (
     replace_dir_atomic,
     write_json_atomic,
 )
-from eagle3_assets.training.config import TrainConfig
+from eagle3_assets.training.train_config import TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.training.config import TrainConfig
-from eagle3_assets.training.online import OnlineExtraction, online_loader
+from eagle3_assets.training.online_states import OnlineExtraction, online_loader
 from eagle3_assets.training.ranks import Ranks
+from eagle3_assets.training.train_config import TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -47,11 +47,11 @@ def make_loader(
     ``loss_on``: ``assistant`` (the loss mask the hidden states carry) or ``all`` (every position)."""
     from torch.utils.data import ConcatDataset, DataLoader
 
-    from eagle3_assets.hidden_states.checks import META_FILE
+    from eagle3_assets.core.storage import read_json
     from eagle3_assets.hidden_states.samples import HS_SUBDIR
+    from eagle3_assets.hidden_states.state_checks import META_FILE
     from eagle3_assets.hidden_states.storage_format import training_transfer
     from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
-    from eagle3_assets.storage import read_json
 
     sp = offline_data()
     if online is not None and online.source != "stored":

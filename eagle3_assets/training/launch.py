@@ -4,13 +4,13 @@
 (``dg.PipesSubprocessClient``): torchrun starts N workers (``python -m eagle3_assets.training.launch SPEC``), each
 joins the process group (gloo on CPU, NCCL on GPUs) and calls :func:`~eagle3_assets.training.loop.train_draft`.
 Rank 0 opens the Pipes channel, so its log lines and each epoch's metrics stream into the Dagster run as they
-happen, and writes the :class:`~eagle3_assets.training.config.TrainResult` as JSON for the asset's metadata.
+happen, and writes the :class:`~eagle3_assets.training.train_config.TrainResult` as JSON for the asset's metadata.
 
 Failure and cleanup: torchrun runs with ``--max-restarts 0``; when one rank dies (killed, out of memory, an
 exception) it stops the others and exits non-zero, and the launcher raises :class:`TrainingFailed` naming the
 newest checkpoint the next run resumes from. Each worker asks the kernel to kill it if torchrun itself dies
 (``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no rank behind; torchrun itself is started behind
-:func:`~eagle3_assets.process_guard.with_parent_death_signal`, so a SIGKILLed Dagster step takes torchrun down
+:func:`~eagle3_assets.core.process_guard.with_parent_death_signal`, so a SIGKILLed Dagster step takes torchrun down
 too. The rendezvous and gloo listen on 127.0.0.1 only.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.training.checkpoints import CHECKPOINT_DIR, list_checkpoints
-from eagle3_assets.training.config import TrainConfig, TrainResult
+from eagle3_assets.training.train_config import TrainConfig, TrainResult
 
 RESULT_FILE = "result.json"
 
@@ -60,7 +60,7 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
     """``torchrun`` (as ``python -m torch.distributed.run``, so it is this interpreter's) for ``procs`` local ranks,
     behind the parent-death wrapper: torchrun gets SIGTERM (and stops its ranks) when the process that starts it
     dies, SIGKILL included, so a killed step leaves no training running and no ``draft_model`` lock held."""
-    from eagle3_assets.process_guard import with_parent_death_signal
+    from eagle3_assets.core.process_guard import with_parent_death_signal
 
     return with_parent_death_signal([
         sys.executable, "-m", "torch.distributed.run",
@@ -73,7 +73,7 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The workers' environment: this package importable, gloo on the loopback interface, one OpenMP thread pool
     per rank sized by the training config (not torchrun's default of 1 thread with a warning)."""
-    from eagle3_assets.local.vllm_server import REPO_ROOT
+    from eagle3_assets.core.settings import REPO_ROOT
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -101,7 +101,7 @@ def run_training_processes(
     spec: TrainSpec, procs: int, work_dir: Path, env: dict[str, str] | None = None
 ) -> TrainResult:
     """Run the torchrun job to completion without Dagster (tests, scripts); raise :class:`TrainingFailed` on failure."""
-    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.net.ports import find_free_port
 
     spec_path = spec.write(work_dir / "train_spec.json")
     process = subprocess.Popen(torchrun_command(spec_path, procs, find_free_port()), env=worker_env(env))
@@ -140,7 +140,7 @@ def worker_main(spec_path: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training.loop import train_draft
 
     spec = TrainSpec.read(spec_path)

@@ -27,15 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets import lineage
-from eagle3_assets.precision import resolve_precision
-from eagle3_assets.settings import redact_url_credentials
-from eagle3_assets.storage import DataLayout, exclusive_lock, remove_dead_writers_temps
+from eagle3_assets.core import lineage
+from eagle3_assets.core.precision import resolve_precision
+from eagle3_assets.core.settings import redact_url_credentials
+from eagle3_assets.core.storage import DataLayout, exclusive_lock, remove_dead_writers_temps
+from eagle3_assets.hidden_states import versions
 from eagle3_assets.training import checkpoints as ckpt
-from eagle3_assets.training.config import TrainConfig, TrainResult
 from eagle3_assets.training.data import make_loader, to_device
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
-from eagle3_assets.training.online import (
+from eagle3_assets.training.online_states import (
     ONLINE_TIME_KEY,
     OnlineExtraction,
     online_extraction,
@@ -44,6 +44,7 @@ from eagle3_assets.training.online import (
 )
 from eagle3_assets.training.pinning import partition_meta, pinned_partitions
 from eagle3_assets.training.ranks import Ranks
+from eagle3_assets.training.train_config import TrainConfig, TrainResult
 
 if TYPE_CHECKING:
     import torch
@@ -377,7 +378,7 @@ def _require_checked(layout: DataLayout, keys: Sequence[str], dirs: Mapping[str,
     _usable, excluded = lineage.partitions_passing_checks(layout, keys, dirs)
     if excluded:
         listed = "; ".join(f"{key} ({why})" for key, why in sorted(excluded.items()))
-        raise lineage.StaleHiddenStatesError(
+        raise versions.StaleHiddenStatesError(
             f"draft_model training: the hidden_states version now published is not usable: {listed}. A rebuild "
             "was published after the partitions were chosen, or its checks failed: wait for its run to record "
             "its checks (or re-materialize hidden_states for it), then run draft_model again"
@@ -419,7 +420,7 @@ def train_draft(
         dirs = stack.enter_context(pinned_partitions(layout, [*train_keys, val_key], ranks))
         # the pinned versions' lineage against what this run would extract now: never train on stale states
         current = current_extraction(layout, verifier_path, config)
-        lineage.require_current_hidden_states(layout, [*train_keys, val_key], current, dirs, "draft_model training")
+        versions.require_current_hidden_states(layout, [*train_keys, val_key], current, dirs, "draft_model training")
         if config.checked_partitions_only:
             _require_checked(layout, [*train_keys, val_key], dirs)
         stack.enter_context(torch_threads(config.num_threads))

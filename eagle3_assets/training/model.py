@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.training.config import TrainConfig
+from eagle3_assets.training.train_config import TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +43,8 @@ def build_draft(
     mapping: tuple[Any, Any] | None,
 ) -> Any:
     """A freshly initialized EAGLE-3 draft for this verifier, built the way ``speculators train`` builds it."""
+    from eagle3_assets.core.verifier import verifier_shape
     from eagle3_assets.speculators_adapter import create_transformer_layer_config, eagle3_classes
-    from eagle3_assets.verifier import verifier_shape
 
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=str(verifier_path),

@@ -1,7 +1,8 @@
 """Which hidden-states folders a training run reads: the pinned version of each partition, and their metadata.
 
 A re-extraction publishes a new version beside the one training reads and never swaps files under it
-(:mod:`eagle3_assets.publish`); speculators' dataset opens sample files lazily, so training must read from the
+(:mod:`eagle3_assets.hidden_states.publish`);
+speculators' dataset opens sample files lazily, so training must read from the
 version folders it pinned, never through the partition's pointer.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 
 if TYPE_CHECKING:
     from eagle3_assets.training.ranks import Ranks
@@ -35,7 +36,7 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
     publishes a new version beside it and never swaps or removes these files (publish.py). Rank 0 pins the
     current versions; the other ranks pin the very same folders (a publish between two ranks' look-ups
     cannot give them different data)."""
-    from eagle3_assets import publish
+    from eagle3_assets.hidden_states import publish
 
     if ranks.main:
         with publish.pinned(layout, keys) as dirs:
@@ -50,9 +51,9 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
 def partition_meta(layout: DataLayout, keys: Sequence[str], dirs: Mapping[str, Path] | None = None) -> dict[str, Any]:
     """The partitions' shared extraction metadata (of the pinned ``dirs`` when given); an error names the two
     that disagree."""
+    from eagle3_assets.core.storage import read_json
     from eagle3_assets.hidden_states.extract import META_FILE
-    from eagle3_assets.publish import INDEX_FILE
-    from eagle3_assets.storage import read_json
+    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     metas = {}
     for key in keys:

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout, exclusive_lock, write_bytes_atomic, write_json_atomic
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout, exclusive_lock, write_bytes_atomic, write_json_atomic
 
 MAPPING_FILE = "vocab_mapping.safetensors"
 LEGACY_FILES = ("d2t.npy", "t2d.npy")  # two separate files of earlier versions (could disagree): replaced
@@ -103,7 +103,7 @@ class LoadedVocabMapping:
 
 def mapping_folder_digest(folder: Path, loaded: bytes | None) -> str:
     """The vocabulary part of a training checkpoint's fingerprint, the value every earlier version recorded
-    (``lineage.files_digest`` over the files in ``folder``), so a checkpoint of an earlier version trained with the
+    (``hashing.files_digest`` over the files in ``folder``), so a checkpoint of an earlier version trained with the
     same mapping still resumes. The mapping file's entry is of ``loaded``, the bytes the run built its draft from
     (None: it loaded none, and a mapping written since is not counted), never of the file on disk now, which a
     concurrent ``vocab_mapping`` run may have rebuilt. The other files (the counts and summary the mapping was built
@@ -111,8 +111,7 @@ def mapping_folder_digest(folder: Path, loaded: bytes | None) -> str:
     starts fresh rather than resuming a draft of another vocabulary."""
     import hashlib
 
-    from eagle3_assets.hashing import digest
-    from eagle3_assets.storage import file_digest
+    from eagle3_assets.core.hashing import digest, file_digest
 
     hashes: dict[str, str] = {}
     if loaded is not None:
@@ -130,7 +129,7 @@ def fingerprint_part(layout: DataLayout, loaded: LoadedVocabMapping | None) -> s
     """What a training run's checkpoint fingerprint records for the vocabulary it trained with (``loaded``: what
     :func:`read_vocab_mapping` returned): the loaded mapping's :func:`mapping_folder_digest`, or, when it loaded
     none, that of the folder's other files, or ``lineage.NO_VOCAB_MAPPING`` when there is no folder."""
-    from eagle3_assets.lineage import NO_VOCAB_MAPPING
+    from eagle3_assets.core.lineage import NO_VOCAB_MAPPING
 
     if loaded is not None:
         return loaded.digest
@@ -190,7 +189,7 @@ def build_vocab_mapping(
 
     import torch
 
-    from eagle3_assets import publish
+    from eagle3_assets.hidden_states import publish
     from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
     from eagle3_assets.speculators_adapter import build_vocab_mappings
 

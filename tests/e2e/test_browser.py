@@ -17,7 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import REPO_ROOT
 from support.operations import (

@@ -36,13 +36,13 @@ def test_humaneval_greedy_identity_without_a_reasoning_parser(
 ) -> None:
     import torch
 
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
     from eagle3_assets.local.reasoning import resolve_reasoning_parser
-    from eagle3_assets.storage import DataLayout
     from eagle3_assets.training import TrainConfig
     from eagle3_assets.training.model import build_draft
-    from eagle3_assets.verifier import resolve_layer_ids, verifier_shape
 
     assert resolve_reasoning_parser("auto", real_verifier_dir) is None  # no <think>/</think> in its tokenizer
     layer_ids = resolve_layer_ids(None, verifier_shape(real_verifier_dir).num_layers)

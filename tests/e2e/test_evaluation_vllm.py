@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.evaluation.online import OnlineConfig, Prompt, acceptance_stats, local_server, measure, mismatched
+from eagle3_assets.evaluation.online_metrics import (
+    OnlineConfig,
+    Prompt,
+    acceptance_stats,
+    local_server,
+    measure,
+    mismatched,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, check_finite, check_token_ids, extract_partition
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-from eagle3_assets.storage import DataLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -103,7 +103,7 @@ def test_a_killed_run_takes_its_embedded_server_down_and_the_next_run_resumes(
         f"""
         import sys
         from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-        from eagle3_assets.storage import DataLayout
+        from eagle3_assets.core.storage import DataLayout
         extract_partition(DataLayout.at({str(layout.root)!r}), {KEY!r}, {str(vllm_tiny_verifier)!r},
                           HiddenStatesConfig(layer_ids={LAYERS!r}, backend="vllm"), log=lambda m: print(m, flush=True))
         """

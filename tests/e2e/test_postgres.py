@@ -18,8 +18,8 @@ import dagster as dg
 import pytest
 
 from eagle3_assets import cli
-from eagle3_assets.local.vllm_server import find_free_port
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.net.ports import find_free_port
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import REPO_ROOT
 from support.operations import (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.reliability import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -40,7 +40,7 @@ def _generate(layout: DataLayout, verifier: Path, log_dir: Path) -> None:
     from eagle3_assets.generation import GenerationConfig, generate_partition
     from eagle3_assets.generation.records import PromptToGenerate
     from eagle3_assets.local.vllm_server import LocalVLLMServer
-    from eagle3_assets.prompts import load_prompts
+    from eagle3_assets.prompts.conversations import load_prompts
 
     loaded = load_prompts("package:sharegpt", max_prompt_chars=2000, truncated="keep-complete", turns_kept="first",
                           limit=60)  # fmt: skip

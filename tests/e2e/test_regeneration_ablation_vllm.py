@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.ablation import AblationConfig, run_ablation
-from eagle3_assets.storage import DataLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_three_variants_measured_online(vllm_server, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from eagle3_assets.evaluation.online import OnlineConfig
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig
     from eagle3_assets.generation import GenerationConfig
     from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.prompt_table import build_prompt_table
+    from eagle3_assets.prompts.prompt_table import build_prompt_table
     from eagle3_assets.training import TrainConfig
     from support.common import write_jsonl
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.storage import DataLayout
 from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
-from eagle3_assets.training.online import ONLINE_TRANSFER_DIR
+from eagle3_assets.training.online_states import ONLINE_TRANSFER_DIR
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -16,7 +16,7 @@ KEYS = ["00000", "00001", "00002"]
 
 
 def test_a_two_process_draft_serves_in_vllm(tmp_path: Path) -> None:
-    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, local_server, measure
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, local_server, measure
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.local.vllm_server import VLLMNotInstalledError, check_vllm_python
     from eagle3_assets.training import TrainConfig, build_vocab_mapping

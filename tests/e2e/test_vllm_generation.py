@@ -9,12 +9,12 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.responses import ERROR_RATE
 from eagle3_assets.local.vllm_server import LocalVLLMServer, metric_total
-from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
-from eagle3_assets.storage import DataLayout
 from support.common import make_resources, materialize_responses, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

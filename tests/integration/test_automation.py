@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition, code_location_settings
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_daemon,

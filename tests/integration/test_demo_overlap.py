@@ -17,13 +17,13 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import demo
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.definitions import build_definitions
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
 from eagle3_assets.generation.fullness import ServerFullness
-from eagle3_assets.generation.partition import generate_partitions
+from eagle3_assets.generation.partition_run import generate_partitions
 from eagle3_assets.local.process_group import descendants
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.operations import demo
 from fake_vllm import FakeConfig, serve_in_thread
 from support.common import child_env, journal_lines, reaped
 from support.operations import write_prompts
@@ -99,7 +99,7 @@ def test_generate_partitions_overlaps_and_returns_every_result(tmp_path: Path) -
 # The demo's generation stage in a process of its own, as `eagle3 demo` runs it: partition runs in child processes.
 STAGE_SCRIPT = """
 import dagster as dg
-from eagle3_assets import demo
+from eagle3_assets.operations import demo
 from eagle3_assets.definitions import build_definitions
 demo.stop_on_sigterm()
 with dg.DagsterInstance.get() as instance:

@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import demo
 from eagle3_assets.definitions import build_definitions
+from eagle3_assets.operations import demo
 from fake_vllm import FakeConfig, serve_in_thread
 from support.operations import write_prompts
 

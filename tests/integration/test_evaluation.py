@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets.evaluation.report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
 
 K = 3
 
@@ -121,7 +121,7 @@ def test_stats_and_report_files(tmp_path: Path) -> None:
 
 
 def test_acceptance_counts_from_a_per_request_histogram() -> None:
-    from eagle3_assets.evaluation.online import acceptance_counts
+    from eagle3_assets.evaluation.online_metrics import acceptance_counts
 
     # vLLM's metrics.speculative_decoding: 5 verify steps accepted 0, 2 accepted 1, 1 accepted 2, 2 accepted 3
     counts = acceptance_counts({"acceptance_histogram": [5, 2, 1, 2], "num_draft_tokens": 30}, K)
@@ -240,7 +240,7 @@ def test_cli_offline_only_writes_the_report(
 ) -> None:
     import torch
 
-    from eagle3_assets.cli.evaluate import main
+    from eagle3_assets.cli.evaluate_command import main
     from eagle3_assets.training import TrainConfig
     from eagle3_assets.training.model import build_draft
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-from eagle3_assets.evaluation.online import OnlineConfig
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from support.tokenizer_files import write_tokenizer
 
 K = 3
@@ -149,7 +149,7 @@ def _deployed(stand_in: Path, model: Path, draft: Path | None) -> Iterator[str]:
     import time
     import urllib.request
 
-    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.net.ports import find_free_port
 
     port = find_free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
@@ -193,7 +193,7 @@ def test_servers_given_by_url_start_nothing(stand_in: Path, no_think_model: tupl
 def test_the_asset_and_the_cli_pass_the_settings_through(
     stand_in: Path, no_think_model: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from eagle3_assets.cli.evaluate import main
+    from eagle3_assets.cli.evaluate_command import main
     from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
 

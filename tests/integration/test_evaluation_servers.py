@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_options
 from eagle3_assets.defs.registry import default_resources
 from eagle3_assets.defs.resources import EvaluationServersResource
-from eagle3_assets.evaluation.online import OnlineConfig, Prompt, measure
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, measure
 from support.common import send_body, send_json, stub_http_server
 
 K = 3

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import polars as pl
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
 
@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
     """
     import sys
     from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     url, root, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     prompts = [PromptToGenerate(f"kill-{i:05d}", [{"role": "user", "content": f"kill test prompt {i}"}])

@@ -18,13 +18,13 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.engine import Engine
 from eagle3_assets.generation.journal import Journal, read_journal
 from eagle3_assets.generation.replies import Completion
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 from support.common import error_chain, make_resources, materialize_responses, write_jsonl
 from support.reliability import quick_config

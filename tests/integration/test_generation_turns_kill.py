@@ -15,10 +15,10 @@ from pathlib import Path
 
 import polars as pl
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.generation.turns import turns_store_path
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
 
@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     """
     import sys
     from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     url, root, n, turns = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     prompts = [PromptToGenerate(f"conv-{i:03d}", [m for k in range(turns) for m in (

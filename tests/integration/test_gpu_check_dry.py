@@ -90,8 +90,8 @@ def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
 
     import gpu_check_real
 
-    from eagle3_assets.evaluation import online as online_module
-    from eagle3_assets.evaluation.report import AcceptanceStats
+    from eagle3_assets.evaluation import online_metrics as online_module
+    from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
 
     class Server:
         base_url = "http://127.0.0.1:2/v1"

@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import fake_server_pipeline_env, write_jsonl
 
@@ -32,8 +32,8 @@ def test_the_graph_runs_online_with_no_state_file_and_dagster_sees_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.demo import materialize_asset
     from eagle3_assets.operations import backfill
+    from eagle3_assets.operations.demo import materialize_asset
 
     (tmp_path / "dagster_home").mkdir()
     layout = DataLayout.at(tmp_path / "data")

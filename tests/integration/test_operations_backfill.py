@@ -8,9 +8,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import cli, prompt_table
+from eagle3_assets import cli
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.operations import backfill
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.prompts import prompt_table
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     backfill_missing_through_daemon,

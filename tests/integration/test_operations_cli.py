@@ -15,7 +15,7 @@ def test_forwarded_subcommands_receive_leading_options(capsys) -> None:
     assert stopped.value.code == 0
     assert "usage: eagle3 tiny-model" in capsys.readouterr().out
     assert set(cli.FORWARDED) == {"tiny-model", "serve-local", "demo", "evaluate", "plan"}
-    assert cli.FORWARDED["evaluate"][0] == "eagle3_assets.cli.evaluate"
+    assert cli.FORWARDED["evaluate"][0] == "eagle3_assets.cli.evaluate_command"
 
 
 def test_operations_need_a_dagster_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -9,11 +9,12 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import cli, prompt_table
+from eagle3_assets import cli
+from eagle3_assets.core.storage import DataLayout, write_parquet_atomic
 from eagle3_assets.generation.records import rows_to_frame
 from eagle3_assets.operations import backfill, status
 from eagle3_assets.operations.sync import SYNC_TAG, sync
-from eagle3_assets.storage import DataLayout, write_parquet_atomic
+from eagle3_assets.prompts import prompt_table
 from support.operations import make_dagster_home, write_prompts
 
 

@@ -12,10 +12,10 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.prompts import raw_prompts, raw_prompts_unique_ids
 from eagle3_assets.defs.resources import PromptDatasetResource
-from eagle3_assets.storage import DataLayout
 from support.common import REPO_ROOT, error_chain, make_resources, write_jsonl
 
 

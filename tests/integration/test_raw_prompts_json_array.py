@@ -10,9 +10,9 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import PromptDatasetResource
-from eagle3_assets.storage import DataLayout
 from support.common import make_resources
 
 

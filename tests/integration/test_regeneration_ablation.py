@@ -9,11 +9,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig, ablation_folder, run_ablation
 from eagle3_assets.generation import GenerationConfig
-from eagle3_assets.prompt_table import build_prompt_table, dataset_turns_path
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.prompts.prompt_table import build_prompt_table, dataset_turns_path
 from fake_vllm import FakeConfig, get_json, post_json, serve_in_thread
 from support.common import write_jsonl
 
@@ -59,8 +59,8 @@ def _run(layout: DataLayout, verifier: Path, url: str, max_tokens: int = 24, **o
 
 def _fake_online(calls: list[dict]):  # type: ignore[no-untyped-def]
     """Stands in for vLLM (tests/e2e has the real one): records the drafts and prompt sets it is asked about."""
-    from eagle3_assets.evaluation.online import OnlineResult
-    from eagle3_assets.evaluation.report import AcceptanceStats
+    from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
+    from eagle3_assets.evaluation.online_metrics import OnlineResult
 
     def evaluate_online(verifier, drafts, prompt_sets, config, log=None):  # type: ignore[no-untyped-def]
         calls.append({"drafts": dict(drafts), "sets": {k: [p.sample_id for p in v] for k, v in prompt_sets.items()}})
@@ -72,10 +72,10 @@ def _fake_online(calls: list[dict]):  # type: ignore[no-untyped-def]
 
 
 def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from eagle3_assets.evaluation import online
+    from eagle3_assets.evaluation import online_metrics
 
     calls: list[dict] = []
-    monkeypatch.setattr(online, "evaluate_online", _fake_online(calls))
+    monkeypatch.setattr(online_metrics, "evaluate_online", _fake_online(calls))
     layout, verifier = _setup(tmp_path)
     # raw_prompts keeps the dataset's answers beside its table; the table itself still ends on a user turn
     turns = pl.read_parquet(dataset_turns_path(layout))
@@ -138,7 +138,7 @@ def test_ablation_end_to_end_then_reused(tmp_path: Path, server: str, monkeypatc
 
     # other answers (a changed max_tokens) with the same sample count: retrained from scratch, never resumed from
     # the checkpoints of the earlier data (train_draft's own checkpoint fingerprint counts samples only)
-    from eagle3_assets.storage import file_digest
+    from eagle3_assets.core.hashing import file_digest
 
     before = file_digest(final)
     changed = _run(layout, verifier, server, max_tokens=4, online=True)  # every answer cut shorter
@@ -203,8 +203,8 @@ def test_asset_is_opt_in_and_reports_metadata(tmp_path: Path, server: str) -> No
 def test_demo_stages_leave_the_ablation_out(monkeypatch: pytest.MonkeyPatch) -> None:
     import dagster as dg
 
-    from eagle3_assets import demo
     from eagle3_assets.definitions import build_definitions
+    from eagle3_assets.operations import demo
 
     selected: list[str] = []
 

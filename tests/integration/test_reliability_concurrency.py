@@ -18,11 +18,11 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout, PartitionBusyError
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout, PartitionBusyError
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env, make_resources, materialize_responses, reaped, write_jsonl
 from support.reliability import journal_lines, make_prompts, quick_config, wait_for
@@ -32,7 +32,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from eagle3_assets.generation import GenerationConfig, generate_partition, partition_prompts
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     url, root, key = sys.argv[1], sys.argv[2], sys.argv[3]
     layout = DataLayout.at(root)
@@ -147,7 +147,7 @@ def test_second_run_of_a_running_partition_fails_at_once_and_the_first_completes
 
 def test_other_partitions_are_not_blocked_by_a_running_one(tmp_path: Path, layout: DataLayout) -> None:
     """The lock is per partition: partition 00001 generates while 00000 is locked by another process."""
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
 
     with FakeServerProcess(FakeConfig(token_rate=5000, median_tokens=20)) as server:
         locker = subprocess.Popen(
@@ -158,7 +158,7 @@ def test_other_partitions_are_not_blocked_by_a_running_one(tmp_path: Path, layou
                     """
                 import sys, time
                 from pathlib import Path
-                from eagle3_assets import storage
+                from eagle3_assets.core import storage
                 with storage.exclusive_lock(Path(sys.argv[1]), "test"):
                     print("LOCKED", flush=True)
                     time.sleep(60)
@@ -198,7 +198,7 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
     with storage.exclusive_lock(Path(sys.argv[1]), sys.argv[2]):
         print("LOCKED", flush=True)
         time.sleep(120)

@@ -14,11 +14,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import generate_partition
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, get_json, serve_in_thread
 from support.common import child_env, error_chain, make_resources, materialize_responses, write_jsonl
 from support.reliability import closed_port_url, make_prompts, quick_config
@@ -160,7 +160,7 @@ UNREACHABLE_WITH_MODEL = textwrap.dedent(
     """
     import sys
     from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     prompts = [PromptToGenerate(f"u{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(20)]
     config = GenerationConfig(base_urls=[sys.argv[1]], model="fake-model", max_attempts=3, backoff_base_s=0.05,
@@ -216,7 +216,7 @@ def test_refused_connection_is_reported_as_a_connection_error(layout: DataLayout
     ],
 )
 def test_layer_ids_out_of_range_name_the_key(layer_ids: list[int], why: str) -> None:
-    from eagle3_assets.verifier import resolve_layer_ids
+    from eagle3_assets.core.verifier import resolve_layer_ids
 
     with pytest.raises(settings.ConfigError) as raised:
         resolve_layer_ids(layer_ids, 4)

@@ -15,10 +15,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets import storage
+from eagle3_assets.core import storage
+from eagle3_assets.core.storage import DataLayout, DiskSpaceError
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout, DiskSpaceError
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import key_of, make_prompts, quick_config
 
@@ -311,7 +311,7 @@ def test_extraction_whose_sample_folder_turns_read_only_names_the_file_keeps_the
     writable again the rebuild resumes."""
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.samples import HS_SUBDIR
-    from eagle3_assets.lineage import hidden_states_staging_dir
+    from eagle3_assets.hidden_states.versions import hidden_states_staging_dir
     from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
     layout = DataLayout.at(tmp_path / "data")

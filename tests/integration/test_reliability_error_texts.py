@@ -12,10 +12,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 from support.common import error_chain, make_resources, write_jsonl
 from support.fake_extraction import ExtractionFake, serve_extraction
 

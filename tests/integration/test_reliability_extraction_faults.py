@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.hidden_states.vllm_backend import ExtractionError, VLLMBackend, VLLMBackendOptions
-from eagle3_assets.settings import ConfigError
 from support.fake_extraction import ExtractionFake, ExtractionServerProcess, serve_extraction
 from support.hidden_states_data import cached_tiny_verifier
 
@@ -95,8 +95,8 @@ def test_model_weights_in_the_storage_folder_are_neither_deleted_nor_swept(tmp_p
 
 
 def test_a_garbage_file_fails_the_sample_naming_server_and_sample(tmp_path: Path) -> None:
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.storage import DataLayout
     from support.hidden_states_data import fabricate_responses
 
     layout = DataLayout.at(tmp_path / "data")
@@ -133,7 +133,7 @@ def test_every_server_down_ends_the_run_after_the_outage_budget(tmp_path: Path) 
 
 
 def test_a_dead_embedded_server_is_reported_within_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from eagle3_assets.local import extraction
+    from eagle3_assets.local import extraction_server
 
     servers: list[ExtractionServerProcess] = []
 
@@ -141,7 +141,7 @@ def test_a_dead_embedded_server_is_reported_within_seconds(tmp_path: Path, monke
         servers.append(ExtractionServerProcess(storage, tmp_path / "server.log"))
         return servers[0]
 
-    monkeypatch.setattr(extraction, "start_extraction_server", start)
+    monkeypatch.setattr(extraction_server, "start_extraction_server", start)
     opts = VLLMBackendOptions(model="m", concurrency=4)  # the defaults: bench 10 s, outage budget 900 s
     backend = VLLMBackend(cached_tiny_verifier(), [1, 2, 3], "float32", options=opts, log=lambda _m: None)
     try:

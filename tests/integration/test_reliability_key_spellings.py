@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.local import vllm_server as vs
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.fake_extraction import ExtractionFake, serve_extraction
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import block_before_rename, block_inside_parquet_write, journal_lines, sigkill_child_when
 
@@ -45,7 +45,7 @@ CHILD = (
         f"""
     import sys, time
     from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     url, root = sys.argv[1], sys.argv[2]
     prompts = [PromptToGenerate(f"anywhere-{{i:04d}}", [{{"role": "user", "content": f"kill anywhere {{i}}"}}])
@@ -149,7 +149,7 @@ def test_sigkill_inside_the_final_write_then_resume_equals_an_uninterrupted_run(
 def test_temporary_file_of_a_writer_killed_mid_write_is_removed_by_the_next_write(tmp_path: Path) -> None:
     """A SIGKILL during the final Parquet write leaves `.{key}.parquet.tmp-{pid}`; it never counts as a partition
     (the glob is `*.parquet`) and the next write of that file removes it. A live writer's temporary file is kept."""
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
 
     layout = DataLayout.at(tmp_path / "data")
     target = layout.responses_path(KEY)
@@ -170,7 +170,7 @@ def test_dead_writers_temporary_files_and_folders_are_removed_and_live_ones_kept
     """The sweep every resuming stage runs (storage.remove_dead_writers_temps): a dead writer's `.{name}.tmp-{pid}`
     file or folder and `.{name}.old-{pid}` folder go; a live writer's (pid 1, this process) and anything not named
     like a temporary entry stay; ``names`` limits the sweep to those targets."""
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -202,7 +202,7 @@ def test_a_folder_is_replaced_atomically_and_dead_writers_temporaries_are_swept_
     swept before the save, a live writer's and other targets' are kept; the old draft stays whole at its name until
     it is renamed aside (atomically) and the new one renamed into place; afterwards only the new draft is left. A
     failed rename of the new folder puts the old one back."""
-    from eagle3_assets import storage
+    from eagle3_assets.core import storage
     from eagle3_assets.evaluation import offline
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

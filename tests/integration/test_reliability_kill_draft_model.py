@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.reliability import block_before_rename, sigkill_child_when
 
 TRAIN, VAL = ["00000"], "00001"
@@ -56,7 +56,7 @@ CHILD = block_before_rename(7) + textwrap.dedent(
     from torch.optim.optimizer import register_optimizer_step_post_hook
     # the ~20 s speculators import happens before START, so the kill thresholds time only the training
     import speculators.models.eagle3, speculators.train.data, speculators.train.optimizers  # noqa: F401
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
 
     root, verifier, steps_path, train, val, config = sys.argv[1:7]

@@ -17,8 +17,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets.lineage import hidden_states_staging_dir
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.hidden_states.versions import hidden_states_staging_dir
 from support.reliability import block_before_rename, sigkill_child_when
 
 KEY = "00000"
@@ -33,7 +33,7 @@ CHILD = block_before_rename(3) + textwrap.dedent(
     import os, sys, time
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     url = os.environ.get("EAGLE3_TEST_HS_URL", "")
     storage = os.environ.get("EAGLE3_TEST_HS_STORAGE") or None
     backend = {{"backend": "vllm", "vllm": VLLMBackendOptions(urls=(url,), storage_path=storage)}} if url else {{}}

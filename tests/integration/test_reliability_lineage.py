@@ -14,7 +14,9 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import prompt_table, storage
+from eagle3_assets.core import hashing, storage
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition, partition_prompts
 from eagle3_assets.generation.fingerprint import (
     FINGERPRINT_COLUMN,
@@ -22,8 +24,7 @@ from eagle3_assets.generation.fingerprint import (
     STALE_SETTINGS,
     STALE_UNFINGERPRINTED,
 )
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.prompts import prompt_table
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import make_resources, write_jsonl
 
@@ -123,7 +124,7 @@ def test_the_manifest_records_what_produced_the_partition(layout: DataLayout, se
     assert manifest["request"]["model"] == "fake-model"
     assert manifest["request"]["sampling_params"] == {"max_tokens": 2000, "temperature": 0.3, "seed": 5}
     assert manifest["settings_digest"] == result.settings_digest
-    assert manifest["data_version"] == result.data_version == storage.file_digest(result.path)
+    assert manifest["data_version"] == result.data_version == hashing.file_digest(result.path)
     assert pl.read_parquet(result.path)[FINGERPRINT_COLUMN].n_unique() == N  # one request per prompt
 
 
@@ -237,8 +238,8 @@ def test_responses_report_a_data_version_and_failed_checks_block_downstream(
     assert started == {"synthetic_responses"}  # hidden_states never ran on the failed partition
     event = instance.get_latest_materialization_event(synthetic_responses.key)
     assert event is not None and event.asset_materialization is not None
-    assert event.asset_materialization.tags["dagster/data_version"] == storage.file_digest(layout.responses_path(KEY))
-    from eagle3_assets.lineage import PartitionLineage
+    assert event.asset_materialization.tags["dagster/data_version"] == hashing.file_digest(layout.responses_path(KEY))
+    from eagle3_assets.core.lineage import PartitionLineage
 
     recorded = PartitionLineage.load(layout, "synthetic_responses", KEY)
     assert recorded is not None and not recorded.checks_passed

@@ -21,12 +21,12 @@ from typing import Any
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.capacity import CapacityMonitor, PartitionLine, parse_load
-from eagle3_assets.generation.endpoints import EndpointPool
 from eagle3_assets.generation.errors import OutageError
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.net.endpoints import EndpointPool
 from fake_vllm import FakeConfig, FakeServerProcess, serve_in_thread
 
 KEY = "00000"

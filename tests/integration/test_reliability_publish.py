@@ -22,10 +22,11 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from eagle3_assets import storage
+from eagle3_assets.core import storage
+from eagle3_assets.core.lineage import PartitionLineage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.lineage import PartitionLineage, hidden_states_staging_dir
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.hidden_states.versions import hidden_states_staging_dir
 from support.common import child_env
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 from support.reliability import sigkill_child_when, wait_for
@@ -60,7 +61,7 @@ CHILD = textwrap.dedent(
     if mode != "none":
         os.replace, os.rename = hooked(os.replace), hooked(os.rename)
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     print("START", flush=True)
     extract_partition(DataLayout.at(root), "{KEY}", verifier, HiddenStatesConfig(**{CONFIG!r}))
     print("DONE", flush=True)
@@ -256,7 +257,7 @@ TRAIN_CHILD = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     root, verifier, dirs_file, go = sys.argv[1:5]
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import TrainConfig, loop
     real_loader, real_epoch, seen = loop.make_loader, loop._train_epoch, []
 
@@ -314,7 +315,7 @@ def test_a_rebuild_during_training_never_swaps_the_files_training_reads(prepared
         if child.poll() is None:
             child.kill()
             child.wait()
-    from eagle3_assets import publish
+    from eagle3_assets.hidden_states import publish
 
     publish.recover_idle(layout, ["00000"])  # unpinned now: the next sweep removes the old version
     assert not reading.exists() and _leftovers(layout) == []

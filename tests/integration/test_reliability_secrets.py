@@ -26,8 +26,8 @@ import dagster as dg
 import pytest
 from dagster._serdes import serialize_value
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.local import vllm_server as vs
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import fake_server_pipeline_env, write_jsonl
 from support.secrets import leaks, password_forms, sqlite_texts, with_password
@@ -40,7 +40,7 @@ URL_USER = "bob"
 URL_PASSWORD = "hs4e1f@pass9c2b,word3a7d"
 GOOD_PARTITIONS = ["00000", "00001"]  # one trains the draft, the other is held out
 REFUSED_PARTITION = "00002"
-# Sized to seconds on 2 cores; the shapes and code paths are the demo's (eagle3_assets/demo.py).
+# Sized to seconds on 2 cores; the shapes and code paths are the demo's (eagle3_assets/operations/demo.py).
 ASSET_CONFIG: dict[str, dict[str, object]] = {
     "vocab_mapping": {"draft_vocab_size": 256},
     "draft_model": {"epochs": 1, "tokens_per_batch": 256, "max_steps_per_epoch": 2, "max_val_batches": 1},
@@ -65,7 +65,7 @@ def test_api_key_appears_in_no_file_event_or_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.demo import materialize_asset
+    from eagle3_assets.operations.demo import materialize_asset
 
     dagster_home = tmp_path / "dagster_home"
     dagster_home.mkdir()

@@ -12,10 +12,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
-from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.generation.response_checks import completeness_check, error_rate_check
 from fake_vllm import FakeConfig, FakeServerProcess, draw_fault
 from support.reliability import (
     journal_lines,
@@ -176,7 +176,7 @@ def test_wrong_model_name_fails_with_the_404_and_the_right_one_reuses_finished_s
 
 
 def test_requests_in_flight_when_an_endpoint_is_benched_do_not_stretch_its_bench() -> None:
-    from eagle3_assets.generation.endpoints import EndpointPool
+    from eagle3_assets.net.endpoints import EndpointPool
 
     now = [0.0]
     pool = EndpointPool(["http://a/v1"], cap=16, bench_after_failures=3, bench_s=0.5, clock=lambda: now[0])

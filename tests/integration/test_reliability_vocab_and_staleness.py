@@ -20,11 +20,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import storage
+from eagle3_assets.core import hashing
+from eagle3_assets.core.lineage import PartitionLineage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
 from eagle3_assets.hidden_states import extract as extract_module
-from eagle3_assets.lineage import PartitionLineage
-from eagle3_assets.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 from support.reliability import sigkill_child_when
 
@@ -66,7 +66,7 @@ VOCAB_CHILD = textwrap.dedent(
         return real_replace(src, dst, *args, **kwargs)
 
     os.replace = replace
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import build_vocab_mapping
     print("START", flush=True)
     build_vocab_mapping(DataLayout.at(root), ["00000"], int(size), target_vocab_size=1024)
@@ -150,8 +150,8 @@ def test_lineage_records_the_responses_that_were_read_not_those_on_disk_at_publi
     lineage = PartitionLineage.load(layout, "hidden_states", KEY)
     assert lineage is not None
     assert lineage.inputs["responses_data_version"] == hashlib.sha256(read).hexdigest()[:32]
-    assert lineage.inputs["responses_data_version"] != storage.file_digest(layout.responses_path(KEY))
-    from eagle3_assets.lineage import stale_hidden_states
+    assert lineage.inputs["responses_data_version"] != hashing.file_digest(layout.responses_path(KEY))
+    from eagle3_assets.hidden_states.versions import stale_hidden_states
 
     assert "other responses" in stale_hidden_states(layout, [KEY])[KEY]
 

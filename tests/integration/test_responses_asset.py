@@ -7,9 +7,9 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from eagle3_assets.core.storage import DataLayout, partition_row_counts
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.storage import DataLayout, partition_row_counts
 from fake_vllm import FakeConfig, serve_in_thread
 from support.common import make_resources, materialize_responses, write_jsonl
 

@@ -24,8 +24,8 @@ from typing import Any
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.bounded_bodies import child_report_watching_memory
 from support.reliability import make_prompts, quick_config
@@ -102,7 +102,7 @@ _CHILD = textwrap.dedent(
     import json, re, sys
     import httpx2, openai  # imported by the openai transport: loaded before the baseline, as the rest of the code
     from eagle3_assets.generation import generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from support.reliability import make_prompts, quick_config
 
     def memory_mb(field):

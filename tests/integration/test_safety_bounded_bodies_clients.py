@@ -152,7 +152,7 @@ def test_an_endless_body_fails_at_its_size_limit_in_bounded_memory(
 
 
 def test_the_evaluation_counts_failed_requests_and_stops_when_none_is_answered() -> None:
-    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, acceptance_stats, measure
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, acceptance_stats, measure
 
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"question {i}"}]) for i in range(8)]
     config = OnlineConfig(concurrency=len(prompts), request_timeout_s=TIMEOUT_S, max_tokens=16, speed_prompts=0)

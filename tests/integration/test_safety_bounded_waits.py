@@ -284,7 +284,7 @@ def test_sigterm_while_the_embedded_server_loads_the_model_stops_the_run_within_
 
     import dagster as dg
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from support.hidden_states_data import fabricate_responses
     from support.signals import log_text, make_pipeline, materialize_command, run, stop_mid_run
 
@@ -320,7 +320,7 @@ def test_sigint_while_the_hf_backend_loads_the_verifier_stops_the_run_and_the_re
 
     import dagster as dg
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from support.common import python_path
     from support.hidden_states_data import fabricate_responses
     from support.signals import log_text, make_pipeline, materialize_command, run, stop_mid_run

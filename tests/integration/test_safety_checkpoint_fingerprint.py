@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets import lineage, storage
-from eagle3_assets.hashing import digest
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core import hashing, lineage
+from eagle3_assets.core.hashing import digest
+from eagle3_assets.core.storage import DataLayout
 from support.safety_training import TRAIN, VAL, build_inputs, config, copy_data
 
 KEYS = [*TRAIN, VAL]
@@ -38,7 +38,7 @@ KEYS = [*TRAIN, VAL]
 
 def files_digest_5fde7e0(paths: Iterable[Path]) -> str:
     return digest(
-        [(Path(p).name, storage.file_digest(Path(p), 64)) for p in sorted(paths, key=str) if os.path.exists(p)]
+        [(Path(p).name, hashing.file_digest(Path(p), 64)) for p in sorted(paths, key=str) if os.path.exists(p)]
     )
 
 
@@ -55,7 +55,7 @@ def training_inputs_digest_5fde7e0(
         recorded = lineage.PartitionLineage.load_file(folder / "lineage.json")
         index = folder / "index.parquet"
         parts.append(
-            [key, recorded.data_version if recorded else None, storage.file_digest(index) if index.exists() else None]
+            [key, recorded.data_version if recorded else None, hashing.file_digest(index) if index.exists() else None]
         )
     vocab_dir = layout.vocab_mapping_dir
     vocab = files_digest_5fde7e0(p for p in vocab_dir.glob("*") if p.is_file()) if vocab_dir.is_dir() else None

@@ -66,8 +66,8 @@ CHILD = textwrap.dedent(
     os.fsync, os.rename, os.replace = fsync, watched(real_rename), watched(real_replace)
 
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
 
     layout = DataLayout.at(root)

@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets.evaluation.online import OnlineConfig
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HUMANEVAL, Prompt, humaneval_prompts
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess, draw_fault, prompt_key
 from support.evaluation_failures import speculative_proxy
 
@@ -165,7 +165,7 @@ def test_a_failed_baseline_speed_request_withholds_the_speed_up(draft: tuple[Pat
 def test_the_cli_table_shows_the_failed_count(
     draft: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from eagle3_assets.cli.evaluate import main
+    from eagle3_assets.cli.evaluate_command import main
 
     verifier, draft_dir = draft
     argv = ["--draft", str(draft_dir), "--verifier", str(verifier), "--data-dir", str(tmp_path / "data")]

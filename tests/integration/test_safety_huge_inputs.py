@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import raw_prompts_memory
 
-from eagle3_assets import prompt_files
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.prompts import prompt_files
 
 SMALL_BYTES, LARGE_BYTES = 20_000_000, 80_000_000
 # What raw_prompts may keep per sample: ~260 bytes measured (two dict entries, the id, a 16-byte digest, the line,

@@ -23,9 +23,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets import storage
+from eagle3_assets.core import storage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.storage import DataLayout
 from support.common import child_env
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 from support.operations import make_dagster_home

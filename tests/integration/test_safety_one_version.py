@@ -25,10 +25,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from eagle3_assets import publish
-from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.lineage import LINEAGE_FILE, PartitionLineage
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.lineage import LINEAGE_FILE, PartitionLineage
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition, publish
 from support.common import child_env, reaped
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 from support.reliability import wait_for
@@ -44,8 +43,8 @@ REBUILD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.sample_data import fabricate_responses
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.prompts.sample_data import fabricate_responses
+    from eagle3_assets.core.storage import DataLayout
 
     root, key, samples, verifier, paused, published = sys.argv[1:7]
     while not Path(paused).exists():
@@ -140,7 +139,7 @@ def test_eagle3_evaluate_reads_every_sample_from_one_version(
     sample it simulates is the first version's (tokens and states), none a mix."""
     import torch
 
-    from eagle3_assets.cli.evaluate import main
+    from eagle3_assets.cli.evaluate_command import main
     from eagle3_assets.evaluation import offline
     from eagle3_assets.training import TrainConfig
     from eagle3_assets.training.model import build_draft
@@ -205,7 +204,7 @@ def test_the_training_fingerprint_is_of_the_vocabulary_bytes_it_loaded(
     # the folder as loaded: the fingerprint counts its other files too (as every earlier version did)
     loaded_folder = {p.name: p.read_bytes() for p in layout.vocab_mapping_dir.iterdir() if p.is_file()}
     rebuild = (
-        "import sys; from eagle3_assets.storage import DataLayout; from eagle3_assets.training import "
+        "import sys; from eagle3_assets.core.storage import DataLayout; from eagle3_assets.training import "
         "build_vocab_mapping; build_vocab_mapping(DataLayout.at(sys.argv[1]), ['00000'], 128, target_vocab_size=1024)"
     )
     real_build = loop_module.build_draft
@@ -238,7 +237,7 @@ def test_draft_model_trains_only_on_the_checked_versions_it_chose(
     """draft_model chose its partitions by their recorded checks; another process publishes a rebuild of one of
     them before training pins it. The rebuild is unchecked (its run records its checks after publishing), so the
     run refuses it, naming the partition, instead of training on it."""
-    from eagle3_assets import lineage, storage
+    from eagle3_assets.core import hashing, lineage
     from eagle3_assets.defs import draft as draft_module
     from eagle3_assets.defs.resources import DataStoreResource, VerifierResource
 
@@ -247,7 +246,7 @@ def test_draft_model_trains_only_on_the_checked_versions_it_chose(
     for key in (KEY, "00001"):
         fabricate_responses(layout, key, 4, seed=int(key) + 1, min_words=10, max_words=20)
         extract_partition(layout, key, verifier, CONFIG)
-        digest = storage.file_digest(layout.responses_path(key))
+        digest = hashing.file_digest(layout.responses_path(key))
         PartitionLineage("synthetic_responses", key, digest, checks={"responses_complete": True}).save(layout)
         lineage.record_checks(layout, "hidden_states", key, {"hidden_states_finite": True})
     real_split = draft_module.split_partitions

@@ -17,7 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.common import child_env, fake_server_pipeline_env, write_jsonl
 from support.operations import make_dagster_home
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.turns import turns_store_path
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env
 
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
 
     from support.safety_generation import config, prompts
     from eagle3_assets.generation import generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     generate_partition(prompts(), "00001", DataLayout.at(root), config(url, mode), log=lambda m: print(m, flush=True))
     """
 )
@@ -205,7 +205,7 @@ EXTRACT_CHILD = textwrap.dedent(
     """
     import sys
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from support.hidden_states_data import cached_tiny_verifier
 
     config = HiddenStatesConfig(layer_ids=[1, 2, 3], max_seq_len=96)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env
 from support.safety_generation import config, prompts
@@ -51,7 +51,7 @@ CHILD = textwrap.dedent(
 
     from support.safety_generation import config, prompts
     from eagle3_assets.generation import generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     generate_partition(prompts(24, 1), "00013", DataLayout.at(root), config(url, mode, concurrency=2),
                        log=lambda m: print(m, flush=True))
     """

@@ -18,9 +18,9 @@ from typing import Any
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.journal import read_journal
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
 from support.safety_generation import config, prompts
@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     import sys
     from support.safety_generation import config, prompts
     from eagle3_assets.generation import generate_partition
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     url, root, mode, key, n, turns, c = sys.argv[1:8]
     generate_partition(prompts(int(n), int(turns)), key, DataLayout.at(root), config(url, mode, concurrency=int(c)),

@@ -22,7 +22,7 @@ import dagster as dg
 import pytest
 from dagster._serdes import serialize_value
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env, fake_server_pipeline_env, write_jsonl
 from support.operations import write_workspace
@@ -143,7 +143,7 @@ def test_url_passwords_and_the_api_key_are_in_nothing_dagster_stores_or_shows(
     snapshots, event log, asset metadata, every SQLite cell decoded), nothing the UI serves (GraphQL) and no error
     text holds any spelling of any password or the key; the runs did use them."""
     from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.demo import materialize_asset
+    from eagle3_assets.operations.demo import materialize_asset
 
     home = tmp_path / "dagster_home"
     home.mkdir()
@@ -242,7 +242,7 @@ def test_a_refused_url_names_its_variable_and_not_its_password(tmp_path: Path, m
     """A wrong URL holding a password fails the run that uses it when it starts (the code location still loads),
     naming the variable; no spelling of the password is in the error, in the event log or in any SQLite cell."""
     from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.demo import materialize_asset
+    from eagle3_assets.operations.demo import materialize_asset
 
     home = tmp_path / "dagster_home"
     home.mkdir()
@@ -269,7 +269,7 @@ def test_redaction_keeps_hosts_and_hides_every_password_spelling() -> None:
     """The one redaction every error and log line goes through, on the shapes that broke it: an ``@`` or ``,`` in
     the password, a list of URLs, an encoded password, and text around them. A comma splits a URL list only before
     the next URL; a list item without its scheme is still refused."""
-    from eagle3_assets.settings import ConfigError, check_base_urls, redact_url_credentials
+    from eagle3_assets.core.settings import ConfigError, check_base_urls, redact_url_credentials
 
     text = (
         f"EAGLE3_VLLM_BASE_URL='http://{USER}:{PASSWORD}@a:1/v1,http://b:2/v1, http://u:{quote(ENCODED_PASSWORD)}@c/v1'"

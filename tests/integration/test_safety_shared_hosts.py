@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets import process_guard
+from eagle3_assets.core import process_guard
 from eagle3_assets.local import vllm_cli
 from eagle3_assets.local import vllm_server as vs
 from support.stand_in_vllm import group_gone, stand_in_config

@@ -2,7 +2,7 @@
 
 Only ``eagle3 status`` and ``backfill --missing`` looked at a partition's lineage: ``draft_model`` trained on, and
 ``eagle3 evaluate`` measured a draft on, hidden states of another verifier, other layers or other responses. Now
-both check the lineage of the version they read (``lineage.stale_hidden_states``, the rule status and backfill
+both check the lineage of the version they read (``versions.stale_hidden_states``, the rule status and backfill
 use) and refuse a stale one, naming the partition, what differs and the remedy.
 """
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import lineage, storage
+from eagle3_assets.core import hashing, lineage
+from eagle3_assets.core.lineage import PartitionLineage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.lineage import PartitionLineage, StaleHiddenStatesError
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.hidden_states.versions import StaleHiddenStatesError
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 KEYS = ["00000", "00001"]
@@ -39,7 +40,7 @@ def extracted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _record_checks(layout: DataLayout, key: str) -> None:
-    digest = storage.file_digest(layout.responses_path(key))
+    digest = hashing.file_digest(layout.responses_path(key))
     PartitionLineage("synthetic_responses", key, digest, checks={"responses_complete": True}).save(layout)
     lineage.record_checks(layout, "hidden_states", key, {"hidden_states_finite": True})
 
@@ -130,7 +131,7 @@ def test_eagle3_evaluate_refuses_a_stale_held_out_partition(
 ) -> None:
     """``eagle3 evaluate --offline-only``: a draft of other layers than the partition's, other verifier weights, and
     a held-out partition whose responses were generated again are each refused (exit 1, the reason printed)."""
-    from eagle3_assets.cli.evaluate import main
+    from eagle3_assets.cli.evaluate_command import main
 
     base = ["--verifier", str(verifier), "--data-dir", str(data.root), "--partition", KEYS[1]]
     base += ["--offline-only", "--no-untrained", "--max-samples", "1", "--k", "2", "--out", str(tmp_path / "out")]

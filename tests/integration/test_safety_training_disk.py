@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.safety_training import TRAIN, VAL, build_inputs, config, copy_data, last_error_line, run_child, tree
 
 EPOCHS = 2  # the earlier run trained epoch 0; this one trains epoch 1, then saves the final draft

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.safety_training import (
     TRAIN,
     VAL,

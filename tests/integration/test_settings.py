@@ -11,7 +11,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
 from eagle3_assets.defs.ablation import RegenerationAblationRunConfig
 from eagle3_assets.defs.draft import DraftModelRunConfig
 from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
@@ -115,7 +115,7 @@ def _same(a: object, b: object) -> bool:
         (HiddenStatesRunConfig, "eagle3_assets.hidden_states:HiddenStatesConfig", set()),
         (DraftModelRunConfig, "eagle3_assets.training:TrainConfig", set()),
         # the asset caps the offline simulation (minutes on a CPU); the core's default is the whole partition
-        (DraftEvaluationRunConfig, "eagle3_assets.evaluation.online:OnlineConfig", set()),
+        (DraftEvaluationRunConfig, "eagle3_assets.evaluation.online_metrics:OnlineConfig", set()),
         (DraftEvaluationRunConfig, "eagle3_assets.evaluation.evaluate:EvaluationOptions", {"offline_max_samples"}),
         # seeds: comma-separated text on the Dagster side, a tuple in the core
         (RegenerationAblationRunConfig, "eagle3_assets.evaluation.ablation:AblationConfig", {"seeds"}),

@@ -18,7 +18,7 @@ from support.signals import STOP_WITHIN_S, alive, descendants
 CHILD = textwrap.dedent(
     """
     import sys
-    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, generate
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, generate
 
     prompts = [Prompt(f"e{i}", [{"role": "user", "content": f"evaluation prompt {i}"}]) for i in range(16)]
     print("STARTED", flush=True)

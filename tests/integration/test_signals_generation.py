@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.signals import (
     assert_kept_unpublished,
     journal_lines,

@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 from support.signals import hanging_server, log_text, make_pipeline, materialize_command, run, stop_mid_run
 

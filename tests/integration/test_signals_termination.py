@@ -11,7 +11,7 @@ import dagster as dg
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.operations import dagster_process, wait_for, write_workspace
 from support.reliability import free_port
 from support.signals import (

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets import storage
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core import storage
+from eagle3_assets.core.storage import DataLayout
 from support.hidden_states_data import copy_training_inputs, training_inputs
 from support.signals import (
     STOP_WITHIN_S,

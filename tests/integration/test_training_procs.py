@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.training import TrainConfig, train_draft
 from eagle3_assets.training.launch import (
     TrainingFailed,
@@ -85,7 +85,7 @@ def _alive(pid: int) -> bool:
 def test_killing_one_rank_fails_the_job_leaves_no_process_and_the_next_run_resumes(
     data: tuple[DataLayout, Path], tmp_path: Path
 ) -> None:
-    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.net.ports import find_free_port
     from eagle3_assets.training.launch import failure_message
 
     layout, verifier = data

@@ -3,7 +3,8 @@
 
 Each client's real request path is one function here returning what came of it as plain data, with ``wall_s``
 the seconds its requests took (the client's set-up left out): the online
-evaluation's :func:`~eagle3_assets.evaluation.online.generate`, the ``vllm`` hidden-states backend's ``extract``, the
+evaluation's :func:`~eagle3_assets.evaluation.online_metrics.generate`,
+the ``vllm`` hidden-states backend's ``extract``, the
 capacity monitor's ``/metrics`` poll and the probes of :mod:`eagle3_assets.local.vllm_probe`. A test calls one in its
 own process (a trickled body: the wall time is what counts), or in a child (``python -m support.bounded_bodies
 CLIENT URL SETTINGS``, :func:`run_in_child`) whose peak resident memory (VmHWM) is its own, not pytest's, as
@@ -30,7 +31,7 @@ SAMPLE = [1, 2, 3]  # the token ids of the one sample extracted
 
 def evaluation(url: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The online evaluation's requests (``generate``): how many failed, and why."""
-    from eagle3_assets.evaluation.online import OnlineConfig, Prompt, generate
+    from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, generate
 
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"question {i}"}]) for i in range(PROMPTS)]
     config = OnlineConfig(concurrency=PROMPTS, **settings)
@@ -62,7 +63,7 @@ def extraction(url: str, settings: dict[str, Any]) -> dict[str, Any]:
 def capacity(url: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One ``/metrics`` poll of the capacity monitor: whether it read a load, and the cap it left."""
     from eagle3_assets.generation.capacity import CapacityMonitor
-    from eagle3_assets.generation.endpoints import EndpointPool
+    from eagle3_assets.net.endpoints import EndpointPool
     from support.reliability import quick_config
 
     config = quick_config(url, **settings)
@@ -163,7 +164,7 @@ def _load_client(client: str) -> None:
     import eagle3_assets.generation.transport
 
     if client == "evaluation":
-        import eagle3_assets.evaluation.online
+        import eagle3_assets.evaluation.online_metrics
     elif client == "extraction":
         import torch  # noqa: F401
 

@@ -1,7 +1,7 @@
 """Small, deterministic inputs for tests: a tiny verifier, a fabricated responses partition, and the inputs of
 ``draft_model`` built from them.
 
-Both are the project's own (``eagle3_assets.local.tiny_model``, ``eagle3_assets.sample_data``, which the
+Both are the project's own (``eagle3_assets.local.tiny_model``, ``eagle3_assets.prompts.sample_data``, which the
 benchmarks use too); here with the tests' smaller default shape (hidden 64, vocabulary 1,024).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_assets.sample_data import fabricate_responses
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.prompts.sample_data import fabricate_responses
 
 # two training partitions and one held out
 TRAINING_KEYS = ["00000", "00001", "00002"]
@@ -50,7 +50,7 @@ def training_inputs(data_dir: Path) -> tuple[DataLayout, Path]:
     """(a data dir ready for ``draft_model``, the tiny verifier): TRAINING_KEYS' hidden_states (48 fabricated
     responses each) with what their assets record after the checks (their real outcomes; the responses were
     fabricated whole), and a 256-token vocabulary mapping of the first two."""
-    from eagle3_assets import lineage, storage
+    from eagle3_assets.core import hashing, lineage
     from eagle3_assets.hidden_states import (
         HiddenStatesConfig,
         check_finite,
@@ -65,7 +65,7 @@ def training_inputs(data_dir: Path) -> tuple[DataLayout, Path]:
     for key in TRAINING_KEYS:
         fabricate_responses(layout, key, 48, min_words=20, max_words=40)
         extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
-        digest = storage.file_digest(layout.responses_path(key))
+        digest = hashing.file_digest(layout.responses_path(key))
         lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
         checks = (check_token_ids, check_finite, check_one_per_ok_response)
         lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})

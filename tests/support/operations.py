@@ -14,7 +14,7 @@ from typing import Any
 import dagster as dg
 
 from _common import dagster_process
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.common import REPO_ROOT, make_resources, materialize_responses, write_jsonl
 
 

@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
 from support.common import child_env
 
 TRAIN, VAL = ["00000"], "00001"
@@ -79,7 +79,7 @@ CHILD = textwrap.dedent(
             return open_
         builtins.open, io.open = failing(builtins.open), failing(io.open)
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.training import TrainConfig, train_draft
     from eagle3_assets.training import checkpoints
 

@@ -258,8 +258,8 @@ def assert_kept_unpublished(pipeline: Pipeline, key: str, prompts: int) -> int:
     partition file, nothing marked materialized. Returns the rows kept."""
     import dagster as dg
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.generation.journal import read_journal
-    from eagle3_assets.storage import DataLayout
 
     layout = DataLayout.at(pipeline.data_dir)
     kept = len(read_journal(layout.responses_in_progress_path(key)).records)
@@ -275,7 +275,7 @@ def resume_requests_only_the_rest(pipeline: Pipeline, server: Any, key: str, pro
     ``prompts - kept`` samples not journaled and completes the partition; returns the resume's log."""
     import polars as pl
 
-    from eagle3_assets.storage import DataLayout
+    from eagle3_assets.core.storage import DataLayout
 
     server.reset_stats()
     assert run(pipeline, materialize_command("synthetic_responses", key), "resume") == 0, log_text(pipeline, "resume")

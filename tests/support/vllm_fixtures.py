@@ -23,8 +23,8 @@ from eagle3_assets.local.vllm_server import (
     VLLMNotInstalledError,
     VLLMServerConfig,
     check_vllm_python,
-    find_free_port,
 )
+from eagle3_assets.net.ports import find_free_port
 
 TINY_MODEL_NAME = "tiny-llama"
 TINY_MAX_MODEL_LEN = 1024

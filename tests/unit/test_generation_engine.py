@@ -11,12 +11,12 @@ import polars as pl
 import pytest
 
 import fake_responses as served
-from eagle3_assets import storage
+from eagle3_assets.core import storage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
-from eagle3_assets.generation.checks import completeness_check, error_rate_check
 from eagle3_assets.generation.journal import Journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.generation.response_checks import completeness_check, error_rate_check
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.reliability import quick_config
 

@@ -16,8 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from eagle3_assets.generation.config import GenerationConfig
 from eagle3_assets.generation.errors import RequestFailed
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.replies import Completion, StreamState, build_body, parse_sse, read_sse
 from eagle3_assets.generation.transport import (
     AiohttpTransport,

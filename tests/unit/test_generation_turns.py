@@ -8,10 +8,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
 from eagle3_assets.generation.turns import model_spans, turns_store_path
 from eagle3_assets.hidden_states.samples import loss_mask
-from eagle3_assets.storage import DataLayout
 from fake_vllm import FakeConfig, prompt_key, serve_in_thread
 
 KEY = "00000"

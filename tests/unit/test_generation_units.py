@@ -10,15 +10,16 @@ import httpx2
 import openai
 import pytest
 
-from eagle3_assets.generation.config import GenerationConfig, display_url
-from eagle3_assets.generation.endpoints import EndpointPool
+from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.generation.engine import backoff_delay
 from eagle3_assets.generation.errors import RequestFailed, classify, error_message, status_failure
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.journal import Journal, merge_records, read_journal
 from eagle3_assets.generation.records import COLUMNS, RESPONSE_SCHEMA, rows_to_frame
 from eagle3_assets.generation.replies import StreamState, parse_completion
 from eagle3_assets.generation.transport import sdk_failure
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.net.credentials import display_url
+from eagle3_assets.net.endpoints import EndpointPool
 
 URL = "http://127.0.0.1:8000/v1"
 
@@ -439,8 +440,8 @@ def test_non_retryable_request_errors_do_not_bench() -> None:
 def test_partition_prompts_reads_one_partition_in_position_order(tmp_path: Path) -> None:
     import polars as pl
 
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.generation import partition_prompts
-    from eagle3_assets.storage import DataLayout
 
     layout = DataLayout.at(tmp_path)
     with pytest.raises(FileNotFoundError, match="raw_prompts"):

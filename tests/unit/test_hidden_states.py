@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout, DiskSpaceError
+from eagle3_assets.core.verifier import resolve_layer_ids
 from eagle3_assets.hidden_states import (
     HiddenStatesConfig,
     check_finite,
@@ -20,10 +23,7 @@ from eagle3_assets.hidden_states import (
 )
 from eagle3_assets.hidden_states.backends import plan_batches
 from eagle3_assets.hidden_states.extract import hs_file
-from eagle3_assets.lineage import hidden_states_staging_dir
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout, DiskSpaceError
-from eagle3_assets.verifier import resolve_layer_ids
+from eagle3_assets.hidden_states.versions import hidden_states_staging_dir
 from support.common import reaped, sigkill_when
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
@@ -229,7 +229,7 @@ def test_resume_keeps_whole_files_and_redoes_broken_ones(tmp_path: Path, verifie
 
 
 def test_refuses_to_start_without_disk_space(tmp_path: Path, verifier: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import eagle3_assets.storage as storage
+    import eagle3_assets.core.storage as storage
 
     layout = DataLayout.at(tmp_path)
     fabricate_responses(layout, "00000", 3)
@@ -246,7 +246,7 @@ def test_sigkill_during_extraction_recomputes_nothing_stored_whole(tmp_path: Pat
     script = textwrap.dedent(
         f"""
         from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-        from eagle3_assets.storage import DataLayout
+        from eagle3_assets.core.storage import DataLayout
         extract_partition(DataLayout.at({str(layout.root)!r}), "00000", {str(verifier)!r},
                           HiddenStatesConfig(layer_ids={LAYERS!r}, batch_tokens=600))
         """

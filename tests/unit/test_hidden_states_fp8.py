@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, check_finite, extract_partition
 from eagle3_assets.hidden_states.extract import hs_file
 from eagle3_assets.hidden_states.storage_format import (
@@ -18,7 +19,6 @@ from eagle3_assets.hidden_states.storage_format import (
     encode,
     load_states,
 )
-from eagle3_assets.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 LAYERS = [1, 2, 3]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets import settings
+from eagle3_assets.core import settings
 from eagle3_assets.hidden_states.connector_files import (
     ExtractionError,
     local_file,
@@ -108,7 +108,7 @@ def test_only_stale_connector_files_are_swept(tmp_path: Path) -> None:
 
 
 def test_extraction_server_arguments(tmp_path: Path) -> None:
-    from eagle3_assets.local.extraction import PLUGIN_DIR, extraction_server_config
+    from eagle3_assets.local.extraction_server import PLUGIN_DIR, extraction_server_config
     from support.hidden_states_data import cached_tiny_verifier
 
     config = extraction_server_config(cached_tiny_verifier(), [1, 2, 3], tmp_path, port=8123, die_with_parent=True)
@@ -194,7 +194,7 @@ def _serve(handler: _FakeExtractionServer) -> tuple[str, object]:
 
     from aiohttp import web
 
-    from eagle3_assets.local.vllm_server import find_free_port
+    from eagle3_assets.net.ports import find_free_port
 
     port = find_free_port()
     loop = asyncio.new_event_loop()

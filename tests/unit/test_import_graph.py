@@ -144,18 +144,51 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert upward_imports(graph) == [f"{PACKAGE}.c -> {PACKAGE}.defs.x"]
 
 
-# Modules every stage uses: they import no stage (a stage importing another stage's module through them would
-# tie the stages together sideways, as lineage.py importing generation/fingerprint.py once did).
-SHARED = ("lineage", "storage", "settings", "hashing", "verifier", "publish", "interrupts", "process_guard")
-STAGES = ("generation", "hidden_states", "training", "evaluation", "local", "defs", "operations", "cli")
+# The rooms of the package from the bottom up: a module imports its own room and rooms below it, never one above,
+# so each room can be read, tested and replaced knowing only what lies under it. Stages follow the data
+# (prompts -> responses -> hidden states -> draft -> evaluation); the Dagster layer and the entry points sit on top.
+ROOMS = (
+    "__init__",  # the package's version
+    "core",  # settings, the data layout and atomic writes, hashing, lineage of files, partition keys, processes
+    "speculators_adapter",  # every speculators import, loaded lazily
+    "net",  # what every stage that talks to a server shares: endpoint pool, credentials, ports, bounded bodies
+    "prompts",  # dataset files -> normalized conversations -> the raw_prompts table
+    "local",  # the embedded vLLM servers, the tiny and the real verifier, accelerators, CUDA locks
+    "generation",
+    "hidden_states",
+    "training",
+    "evaluation",
+    "planning",
+    "defs",  # the Dagster layer
+    "definitions",
+    "operations",  # backfill, status, sync, the demo: they run the Definitions
+    "cli",
+)
 
 
-def test_shared_modules_import_no_stage() -> None:
-    graph = import_graph()
-    found = [
-        f"{module} -> {target}"
-        for module in SHARED
-        for target in sorted(graph[f"{PACKAGE}.{module}"])
-        if target.split(".")[1] in STAGES
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_room_imports(graph: dict[str, set[str]]) -> list[str]:
+    rank = {room: i for i, room in enumerate(ROOMS)}
+    return [
+        f"{source} -> {target}"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if rank[room_of(target)] > rank[room_of(source)]
     ]
-    assert found == []
+
+
+def test_every_module_is_in_a_known_room() -> None:
+    assert sorted({room_of(m) for m in import_graph()} - set(ROOMS)) == []
+
+
+def test_rooms_import_only_the_rooms_below_them() -> None:
+    assert upward_room_imports(import_graph()) == []
+
+
+def test_the_room_rule_sees_an_upward_import() -> None:
+    graph = {f"{PACKAGE}.core.storage": {f"{PACKAGE}.hidden_states.publish"}, f"{PACKAGE}.hidden_states.publish": set()}
+    assert upward_room_imports(graph) == [f"{PACKAGE}.core.storage -> {PACKAGE}.hidden_states.publish"]

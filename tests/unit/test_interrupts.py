@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from eagle3_assets.interrupts import run_interruptible
+from eagle3_assets.core.interrupts import run_interruptible
 
 
 class Interrupted(BaseException):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_assets.evaluation.report import REPORT_JSON
+from eagle3_assets.evaluation.evaluation_report import REPORT_JSON
 from eagle3_assets.operations.measurement import MeasurementFile, commit_of
 
 

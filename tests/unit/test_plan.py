@@ -122,9 +122,9 @@ def test_the_demo_output_and_the_learning_curve_are_read() -> None:
 
 def test_the_demo_real_preset_uses_the_demo_s_server_context() -> None:
     """The plan's `make demo-real` server context is the one `eagle3 demo --real` starts vLLM with."""
-    from eagle3_assets.cli.plan import DEMO_REAL_MAX_MODEL_LEN
+    from eagle3_assets.cli.plan_command import DEMO_REAL_MAX_MODEL_LEN
 
-    tree = ast.parse((ROOT / "eagle3_assets" / "demo.py").read_text())
+    tree = ast.parse((ROOT / "eagle3_assets" / "operations" / "demo.py").read_text())
     values = [
         node.values[node.keys.index(key)].value
         for node in ast.walk(tree)
@@ -146,7 +146,7 @@ def demo_real_plan() -> planning.Plan:
     """`eagle3 plan --demo-real` as docs/scaling.md prints it: ShareGPT read as raw_prompts reads it, prompts tokenized
     with SmolLM2's chat template; completion length and the generation and extraction rates measured on the run's
     first partition (what an operator has after materializing one), the training rate on the recipe's run."""
-    from eagle3_assets.cli.plan import build_parser, make_plan
+    from eagle3_assets.cli.plan_command import build_parser, make_plan
 
     argv = [
         "--demo-real", "--completion-tokens", str(DEMO_REAL), "--generation-rate", str(DEMO_REAL),
@@ -231,7 +231,7 @@ def test_the_disk_advice_follows_what_fits() -> None:
 
 
 def test_json_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from eagle3_assets.cli.plan import main
+    from eagle3_assets.cli.plan_command import main
 
     for key in [k for k in os.environ if k.startswith("EAGLE3_")]:
         monkeypatch.delenv(key)
@@ -248,7 +248,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
 
 
 def test_prompts_past_tokenize_max_are_estimated_at_the_measured_ratio() -> None:
-    from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
+    from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
 
     def count(messages: list[dict[str, str]]) -> int:  # a stand-in tokenizer: 4 characters a token
         return sum(len(m["content"]) for m in messages) // 4

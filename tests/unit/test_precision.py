@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.precision import cpu_has_native_bf16, fastest_cpu_precision, resolve_precision
+from eagle3_assets.core.precision import cpu_has_native_bf16, fastest_cpu_precision, resolve_precision
 
 FLAGS_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n"
 FLAGS_PLAIN = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512vl\n"

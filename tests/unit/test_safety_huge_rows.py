@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets import prompt_files
-from eagle3_assets.prompt_files import DatasetCutError, JsonArrayRows
-from eagle3_assets.prompt_table import build_prompt_table
-from eagle3_assets.prompts import load_prompts
-from eagle3_assets.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.prompts import prompt_files
+from eagle3_assets.prompts.conversations import load_prompts
+from eagle3_assets.prompts.prompt_files import DatasetCutError, JsonArrayRows
+from eagle3_assets.prompts.prompt_table import build_prompt_table
 
 LIMIT = 120  # bytes: small, so that an oversized row costs nothing to write
 

@@ -10,8 +10,9 @@ import urllib.request
 import pytest
 
 from eagle3_assets.generation import GenerationConfig
-from eagle3_assets.generation.replies import REPLY_ALLOWANCE_BYTES, Completion, ReplyLimit, build_body, reply_limit
+from eagle3_assets.generation.replies import Completion, build_body
 from eagle3_assets.generation.transport import make_transports
+from eagle3_assets.net.reply_limits import REPLY_ALLOWANCE_BYTES, ReplyLimit, reply_limit
 from fake_vllm import FakeConfig, serve_in_thread
 
 MAX_TOKENS = 500

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_assets.evaluation.online import OnlineConfig, Prompt, evaluate_online, generate_paired, paired_order
-from eagle3_assets.evaluation.report import (
+from eagle3_assets.evaluation.evaluation_report import (
     DOES_NOT_PAY,
     INCONCLUSIVE,
     PAYS,
@@ -29,6 +28,7 @@ from eagle3_assets.evaluation.report import (
     speedup_interval,
     speedup_verdict,
 )
+from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, evaluate_online, generate_paired, paired_order
 from support.common import send_json, stub_http_server
 
 K = 3
@@ -171,7 +171,7 @@ def _evaluate(seen: list[tuple[str, str]], tmp_path: Path, prompts: int, speed: 
 def test_evaluate_online_interleaves_the_speed_batch_and_keeps_the_pairs(tmp_path: Path) -> None:
     """Acceptance batches as before (the plain verifier's, then the draft's), then the speed batch interleaved: a
     speed batch run one server after the other fails here."""
-    from eagle3_assets.evaluation.report import EvaluationReport, OnlineRun
+    from eagle3_assets.evaluation.evaluation_report import EvaluationReport, OnlineRun
 
     seen: list[tuple[str, str]] = []
     n = 6
@@ -206,7 +206,7 @@ def test_evaluate_online_interleaves_the_speed_batch_and_keeps_the_pairs(tmp_pat
 
 
 def test_a_failed_draft_speed_request_leaves_its_prompt_out_and_withholds_the_speed_up(tmp_path: Path) -> None:
-    from eagle3_assets.evaluation.report import EvaluationReport, OnlineRun
+    from eagle3_assets.evaluation.evaluation_report import EvaluationReport, OnlineRun
 
     seen: list[tuple[str, str]] = []
     n = 4

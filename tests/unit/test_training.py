@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 from eagle3_assets.training import TrainConfig, build_vocab_mapping, load_vocab_mapping, train_draft
 from support.common import reaped, sigkill_when
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
@@ -104,7 +104,7 @@ def test_sigkill_during_training_resumes_from_last_checkpoint(data: DataLayout, 
     config = TrainConfig(epochs=4, tokens_per_batch=768, lr=3e-3, warmup_ratio=0.0)
     script = textwrap.dedent(
         f"""
-        from eagle3_assets.storage import DataLayout
+        from eagle3_assets.core.storage import DataLayout
         from eagle3_assets.training import TrainConfig, train_draft
         train_draft(DataLayout.at({str(layout.root)!r}), {KEYS[:2]!r}, {KEYS[2]!r}, {str(verifier)!r},
                     TrainConfig(epochs=4, tokens_per_batch=768, lr=3e-3, warmup_ratio=0.0))

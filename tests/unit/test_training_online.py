@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-from eagle3_assets.storage import DataLayout
 from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
 from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
 
@@ -53,7 +53,7 @@ def test_online_batches_equal_the_stored_ones_within_storage_rounding(stored: Da
     import torch
 
     from eagle3_assets.training.data import make_loader
-    from eagle3_assets.training.online import OnlineExtraction
+    from eagle3_assets.training.online_states import OnlineExtraction
 
     online = OnlineExtraction("online", "hf", str(cached_tiny_verifier()), tuple(LAYERS), device="cpu",
                               precision="float32")  # fmt: skip
@@ -138,7 +138,7 @@ def test_sigkill_of_online_training_leaves_no_worker_and_resumes(stored: DataLay
     fields = {**BASE.__dict__, "epochs": 4, "hidden_states_source": "online", "online_workers": 1}
     script = textwrap.dedent(
         f"""
-        from eagle3_assets.storage import DataLayout
+        from eagle3_assets.core.storage import DataLayout
         from eagle3_assets.training import TrainConfig, train_draft
         train_draft(DataLayout.at({str(layout.root)!r}), {KEYS[:1]!r}, {KEYS[1]!r}, {str(cached_tiny_verifier())!r},
                     TrainConfig(**{fields!r}))
@@ -246,7 +246,7 @@ def test_online_training_sends_the_extraction_servers_key_and_outage_budget(
         result = train_draft(layout, KEYS[:1], KEYS[1], cached_tiny_verifier(), config)
     assert result.epochs == 1 and fake.requests >= 24  # every training and validation sample fetched
     assert "s3cret" not in (layout.draft_model_dir / "training_history.json").read_text()
-    from eagle3_assets.training.online import online_extraction
+    from eagle3_assets.training.online_states import online_extraction
 
     options = online_extraction(config, cached_tiny_verifier(), {"max_seq_len": 64, "layer_ids": LAYERS}).vllm
     assert (options.api_key, options.outage_budget_s) == ("s3cret", 7.0)
@@ -261,8 +261,8 @@ def test_the_offline_evaluation_computes_the_states_an_online_held_out_partition
 
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.offline import iter_samples
-    from eagle3_assets.hidden_states.checks import read_meta
-    from eagle3_assets.training.online import extraction_side, fetching, for_partition
+    from eagle3_assets.hidden_states.state_checks import read_meta
+    from eagle3_assets.training.online_states import extraction_side, fetching, for_partition
 
     layout = DataLayout.at(tmp_path / "data")
     verifier = cached_tiny_verifier()
@@ -304,7 +304,7 @@ def test_the_embedded_extraction_server_dying_mid_run_stops_it_within_seconds(
     import threading
     import time
 
-    from eagle3_assets.local import extraction as local_extraction
+    from eagle3_assets.local import extraction_server as local_extraction
     from support.fake_extraction import ExtractionServerProcess
 
     servers: list[ExtractionServerProcess] = []
@@ -343,8 +343,8 @@ def test_the_embedded_server_stop_removes_what_aborted_requests_left(
     """An aborted request (the client retried after a timeout, a loader worker stopped mid-batch) leaves the
     connector's ``.lock`` and maybe its file; once the run's embedded server stops they are removed, and nothing
     else in the folder is touched (CI saw a stray ``.safetensors.lock`` after an online run)."""
-    from eagle3_assets.local import extraction as local_extraction
-    from eagle3_assets.training.online import online_extraction, serving
+    from eagle3_assets.local import extraction_server as local_extraction
+    from eagle3_assets.training.online_states import online_extraction, serving
 
     storage = tmp_path / "transfer"
 
@@ -374,8 +374,8 @@ def test_each_training_rank_has_its_own_transfer_folder_and_its_stop_spares_the_
 ) -> None:
     """Several torchrun ranks, each with its own embedded extraction server: a rank that stops first sweeps only its
     own folder, never a connector file another rank's server just wrote for a batch still being read."""
-    from eagle3_assets.local import extraction as local_extraction
-    from eagle3_assets.training.online import online_extraction, serving, transfer_dir
+    from eagle3_assets.local import extraction_server as local_extraction
+    from eagle3_assets.training.online_states import online_extraction, serving, transfer_dir
     from eagle3_assets.training.ranks import Ranks
 
     class StubServer:

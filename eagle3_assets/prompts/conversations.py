@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets import prompt_files
-from eagle3_assets.prompt_files import Cut, JsonArrayRows, Row
+from eagle3_assets.prompts import prompt_files
+from eagle3_assets.prompts.prompt_files import Cut, JsonArrayRows, Row
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {

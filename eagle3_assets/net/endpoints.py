@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from eagle3_assets.generation.config import display_url
+from eagle3_assets.net.credentials import display_url
 
 MAX_BENCH_S = 300.0
 

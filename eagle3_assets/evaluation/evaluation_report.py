@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.storage import DataLayout, write_bytes_atomic, write_json_atomic
+from eagle3_assets.core.storage import DataLayout, write_bytes_atomic, write_json_atomic
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

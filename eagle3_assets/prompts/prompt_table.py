@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets import prompt_files
-from eagle3_assets.prompt_files import Cut
-from eagle3_assets.prompts import DEFAULT_MAX_PROMPT_CHARS, DatasetScan, Duplicate, Prompt, Reject
+from eagle3_assets.prompts import prompt_files
+from eagle3_assets.prompts.conversations import DEFAULT_MAX_PROMPT_CHARS, DatasetScan, Duplicate, Prompt, Reject
+from eagle3_assets.prompts.prompt_files import Cut
 
 PROMPT_TABLE_COLUMNS = (
     "sample_id",
@@ -146,8 +146,8 @@ def build_prompt_table(
     """
     import contextlib
 
-    from eagle3_assets import storage
-    from eagle3_assets.partitions import partition_of
+    from eagle3_assets.core import storage
+    from eagle3_assets.core.partition_keys import partition_of
 
     dataset_file = prompt_files.resolve_dataset_path(dataset_path)
     scan = DatasetScan(dataset_file, max_prompt_chars, truncated, turns_kept, limit)
@@ -345,8 +345,8 @@ def _previous_positions(layout: Any, partition_size: int) -> dict[str, int]:
     """sample_id -> position of the table already written (empty on the first run); refuses a re-keying size."""
     import pyarrow.parquet as pq
 
-    from eagle3_assets import storage
-    from eagle3_assets.settings import ConfigError
+    from eagle3_assets.core import storage
+    from eagle3_assets.core.settings import ConfigError
 
     if not layout.prompts_path.exists():
         return {}

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3_assets.evaluation.online import OnlineConfig
+from eagle3_assets.core.partition_keys import InvalidPartitionKeyError, check_partition_key
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS
-from eagle3_assets.partitions import InvalidPartitionKeyError, check_partition_key
 
 
 def _partition_key(value: str) -> str:
@@ -92,15 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import json
 
-    from eagle3_assets import settings
+    from eagle3_assets.core import settings
+    from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.defs.evaluation import missing_states_extraction
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+    from eagle3_assets.evaluation.evaluation_report import write_report
     from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets
-    from eagle3_assets.evaluation.report import write_report
     from eagle3_assets.local.reasoning import check_reasoning_parser
-    from eagle3_assets.storage import DataLayout
 
     if args.offline_only and args.online_only:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)

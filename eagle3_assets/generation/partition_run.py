@@ -12,8 +12,8 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets import storage
-from eagle3_assets.generation.config import GenerationConfig
+from eagle3_assets.core import hashing, storage
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import (
     FINGERPRINT_COLUMN,
@@ -22,9 +22,10 @@ from eagle3_assets.generation.fingerprint import (
     prompt_set_digest,
     stale_reason,
 )
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.journal import Journal, JournalContents, merge_records, read_journal
 from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_to_frame
-from eagle3_assets.generation.run_parts import (
+from eagle3_assets.generation.run_common import (
     GenerationResult,
     corrupt_dir,
     generation_result,
@@ -37,7 +38,6 @@ from eagle3_assets.generation.run_parts import (
     space_floor,
 )
 from eagle3_assets.generation.transport import close_all, make_transports
-from eagle3_assets.storage import DataLayout
 
 Log = Callable[[str], None]
 
@@ -114,7 +114,7 @@ def generate_partition(
     Resumable and idempotent: ok samples already on disk (final Parquet or in-progress journal) are kept
     and not requested again; failed and missing ones are requested. Every finished sample is appended to
     the journal at once. The Parquet holds exactly one row per prompt (ok + failed == len(prompts)).
-    Raises :class:`eagle3_assets.storage.PartitionBusyError` if another process writes this partition.
+    Raises :class:`eagle3_assets.core.storage.PartitionBusyError` if another process writes this partition.
     """
     started = time.monotonic()
     ids = [p.sample_id for p in prompts]
@@ -167,7 +167,7 @@ def generate_partition(
         frame = rows_to_frame([known[sid] for sid in ids])
         storage.write_parquet_atomic(frame, final_path)
         keep_superseded(archive_path, frame, old_archived, stale_previous, contents.stale)
-        data_version = storage.file_digest(final_path)
+        data_version = hashing.file_digest(final_path)
         _write_manifest(layout, partition_key, inputs, prompts, frame.height, data_version, stale_reasons)
         retire_journal(journal_path, contents, corrupt_dir(layout), log)
         result = generation_result(

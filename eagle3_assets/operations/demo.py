@@ -21,8 +21,10 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets import settings
-from eagle3_assets.precision import fastest_cpu_precision
+from eagle3_assets.core import settings
+from eagle3_assets.core.precision import fastest_cpu_precision
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.operations.counts import print_counts
 
 if TYPE_CHECKING:
     from eagle3_assets.generation.fullness import ServerFullness
@@ -221,7 +223,7 @@ def run_stages(
 
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
-    from eagle3_assets.generation.partition import OVERLAPPED_PARTITIONS
+    from eagle3_assets.generation.partition_run import OVERLAPPED_PARTITIONS
 
     graph = defs.resolve_asset_graph()
     timings: list[tuple[str, str, float]] = []
@@ -483,9 +485,7 @@ def _training_line(data_dir: Path, real: bool) -> str:
 
 def _summary(data_dir: Path, timings: list[tuple[str, str, float]], log_path: Path, real: bool = False) -> None:
     print(f"\nrows per partition (DuckDB over {data_dir}):")
-    from eagle3_assets.cli import main as cli_main
-
-    cli_main(["counts", "--data-dir", str(data_dir)])
+    print_counts(DataLayout.at(data_dir))
     evaluation = data_dir / "draft_evaluation" / "report.md"
     if evaluation.exists():
         print("\n" + evaluation.read_text().strip())

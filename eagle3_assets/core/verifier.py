@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.settings import ConfigError
+from eagle3_assets.core.settings import ConfigError
 
 LAYER_IDS_KEY = "layer_ids"
 

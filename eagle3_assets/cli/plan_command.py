@@ -76,7 +76,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(env_value reading the effective settings, with `make demo-real`'s on top for --demo-real; run-config values)."""
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.training.config import TrainConfig
+    from eagle3_assets.training.train_config import TrainConfig
 
     run_config: dict[str, Any] = {
         "epochs": TrainConfig.epochs,
@@ -86,7 +86,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     }
     environ = dict(os.environ)
     if args.demo_real:
-        from eagle3_assets import demo
+        from eagle3_assets.operations import demo
 
         # demo.main: os.environ.setdefault for each, so a variable already set wins
         environ = {**demo.REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(demo.REAL_SAMPLES), **environ}
@@ -141,7 +141,7 @@ def _verifier_sources(args: argparse.Namespace, env: Any) -> tuple[Path | None, 
 
 
 def _model_and_tokenizer(args: argparse.Namespace, env: Any) -> tuple[planning.ModelShape, Any, str]:
-    from eagle3_assets.settings import parse_layer_ids
+    from eagle3_assets.core.settings import parse_layer_ids
 
     folder, gguf = _verifier_sources(args, env)
     layer_ids = (

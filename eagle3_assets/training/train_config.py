@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.settings import OUTAGE_BUDGET_S, ConfigError
+from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
 
 INITS = ("token_copy", "speculators")
 LOSS_ON = ("assistant", "all")
@@ -63,7 +63,7 @@ class TrainConfig:
     online_workers: int = 1  # loader processes fetching batches (0: in the training process, no overlap)
     prefetch_batches: int = 2  # ready batches each worker may hold: the bound on states in memory and on disk
     # The aux layer ids the verifier is configured to extract now (EAGLE3_LAYER_IDS, resolved): a partition
-    # extracted at other layers is refused as stale (lineage.stale_hidden_states). None: not compared (the
+    # extracted at other layers is refused as stale (versions.stale_hidden_states). None: not compared (the
     # partitions' own layers are trained on, as long as they agree with each other).
     layer_ids: tuple[int, ...] | None = None
     # Train only on versions whose recorded checks passed (lineage.partitions_passing_checks), judged on the

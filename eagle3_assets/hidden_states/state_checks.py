@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.check_outcome import CheckOutcome
+from eagle3_assets.core.check_outcome import CheckOutcome
+from eagle3_assets.core.storage import DataLayout, read_json
 from eagle3_assets.hidden_states.samples import hs_file, read_ok_responses
-from eagle3_assets.storage import DataLayout, read_json
 
 if TYPE_CHECKING:
     import polars as pl
@@ -30,7 +30,7 @@ def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None
     if data_dir is not None:
         yield data_dir
         return
-    from eagle3_assets import publish
+    from eagle3_assets.hidden_states import publish
 
     with publish.pinned(layout, [partition_key]) as dirs:
         yield dirs[partition_key]
@@ -38,7 +38,7 @@ def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None
 
 def version_index_path(layout: DataLayout, partition_key: str, data_dir: Path) -> Path:
     """The index of the version ``data_dir``; a folder of the earlier layout keeps it beside the folder."""
-    from eagle3_assets.publish import INDEX_FILE
+    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     own = data_dir / INDEX_FILE
     return own if own.exists() else layout.hidden_states_index_path(partition_key)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.partitions import KEY_PATTERN, check_partition_key
+from eagle3_assets.core.partition_keys import KEY_PATTERN, check_partition_key
 
 if TYPE_CHECKING:
     import polars as pl
@@ -356,17 +356,6 @@ def write_bytes_atomic(data: bytes, path: Path) -> None:
 
 def write_json_atomic(obj: Any, path: Path) -> None:
     write_bytes_atomic(json.dumps(obj, indent=2, sort_keys=True).encode(), path)
-
-
-def file_digest(path: Path, length: int = 32) -> str:
-    """sha256 of a file's bytes (streamed), as ``length`` hex characters: a content hash for data versions."""
-    import hashlib
-
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()[:length]
 
 
 def read_json(path: Path) -> Any:

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, pair_record
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
-from eagle3_assets.evaluation.report import AcceptanceStats, pair_record
-from eagle3_assets.generation.config import display_url
+from eagle3_assets.net.credentials import display_url
 
 __all__ = ["OnlineConfig", "Prompt", "evaluate_online", "held_out_prompts"]
 
@@ -142,8 +142,8 @@ def _client(base_url: str, config: OnlineConfig) -> Any:
     limit of ``max_tokens``."""
     import openai
 
-    from eagle3_assets.bounded_http import capped_openai_http_client
-    from eagle3_assets.generation.replies import reply_limit
+    from eagle3_assets.net.bounded_http import capped_openai_http_client
+    from eagle3_assets.net.reply_limits import reply_limit
 
     # the replies are plain (not streamed) chat completions of at most max_tokens, with their token ids
     limit = reply_limit(config.max_tokens, stream=False, extra_sampling={})
@@ -184,10 +184,10 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     """Greedy completions of every prompt, ``concurrency`` at a time; wall time of the whole batch.
 
     The requests run on an event loop that a stop request (SIGINT, SIGTERM, Dagster's terminate) cancels
-    (:func:`eagle3_assets.interrupts.run_interruptible`): the batch ends within seconds, its connections closed,
+    (:func:`eagle3_assets.core.interrupts.run_interruptible`): the batch ends within seconds, its connections closed,
     instead of waiting for every request in flight and every one queued (what a thread pool did).
     """
-    from eagle3_assets.interrupts import run_interruptible
+    from eagle3_assets.core.interrupts import run_interruptible
 
     async def run_all() -> list[Generation]:
         import asyncio
@@ -219,7 +219,7 @@ def generate_paired(
 ) -> tuple[GenerationRun, GenerationRun]:
     """The paired speed batch: per prompt one request to each server, one request at a time, in
     :func:`paired_order`; (plain, draft) runs in prompt order, each run's seconds the sum of its answered requests'."""
-    from eagle3_assets.interrupts import run_interruptible
+    from eagle3_assets.core.interrupts import run_interruptible
 
     async def run_all() -> dict[str, list[Generation]]:
         clients = {PLAIN: _client(plain_url, config), DRAFT: _client(draft_url, config)}
@@ -362,7 +362,8 @@ def local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | 
     """A vLLM server on the verifier (with ``draft``, at k): float32 on the CPU build of vLLM; bfloat16 and a share of
     the GPU on the CUDA build (``local/accelerator.py``), beside the demo's own server, as the plain verifier."""
     from eagle3_assets.local import accelerator
-    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
+    from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
+    from eagle3_assets.net.ports import find_free_port
 
     spec = None
     if draft is not None:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.local import accelerator
-from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig, find_free_port
+from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
+from eagle3_assets.net.ports import find_free_port
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"
 CONNECTOR_MODULE = "eagle3_hs_connector"

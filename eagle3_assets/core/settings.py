@@ -36,7 +36,9 @@ from urllib.parse import urlparse
 
 from pydantic import Field, ValidationError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# the source checkout (or site-packages) holding the package: children put it on PYTHONPATH, git reads it
+REPO_ROOT = PACKAGE_DIR.parent
 SAMPLE_PROMPTS_PATH = PACKAGE_DIR / "data" / "sample_prompts.jsonl"
 # How long every server may stay down before a run gives up (generation's EAGLE3_OUTAGE_BUDGET_S and the extraction
 # client's EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S): long enough for a server restart, far short of hours of probing.

@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.training.config import TrainConfig
 from eagle3_assets.training.ranks import Ranks
+from eagle3_assets.training.train_config import TrainConfig
 
 SOURCES = ("stored", "online", "hybrid")
 ONLINE_TRANSFER_DIR = ".online-transfer"  # under draft_model/: an embedded extraction server's connector files
@@ -206,7 +206,7 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
     if extraction.source == "stored" or extraction.backend != "vllm" or extraction.vllm.urls:
         yield extraction
         return
-    from eagle3_assets.local.extraction import start_extraction_server
+    from eagle3_assets.local.extraction_server import start_extraction_server
 
     server = start_extraction_server(
         Path(extraction.verifier_path), list(extraction.layer_ids), storage,
@@ -269,8 +269,8 @@ def extraction_side(
     """The extraction side's settings (``EAGLE3_HIDDEN_STATES_*``), the layers left to :func:`for_partition`. The
     servers' API key is read here from ``EAGLE3_API_KEY``: it travels to spawned workers in memory (pickled), never
     in a saved config."""
+    from eagle3_assets.core.settings import OUTAGE_BUDGET_S, read_api_key
     from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-    from eagle3_assets.settings import OUTAGE_BUDGET_S, read_api_key
 
     vllm = VLLMBackendOptions(
         urls=tuple(urls), storage_path=storage, api_key=read_api_key(),

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
 
-from eagle3_assets.settings import OUTAGE_BUDGET_S, check_base_urls, redact_url_credentials
-from eagle3_assets.settings import fail as _fail
+from eagle3_assets.core.settings import OUTAGE_BUDGET_S, check_base_urls, redact_url_credentials
+from eagle3_assets.core.settings import fail as _fail
+from eagle3_assets.net.credentials import display_url, split_credentials
 
 # Request fields the engine sets itself; extra sampling parameters must not override them.
 _RESERVED = frozenset(
@@ -25,32 +24,6 @@ _RESERVED = frozenset(
         "return_token_ids",
     }
 )
-
-
-def split_credentials(url: str) -> tuple[str, str | None]:
-    """(the URL without ``user:password@``, the ``Authorization: Basic`` value they stand for, or None).
-
-    Every request, probe and ``/metrics`` poll goes to the clean URL with the header: a URL with credentials is
-    never sent, logged or stored (an HTTP library would read ``user:pw@host`` differently, or not at all).
-    """
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url, None
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    clean = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-    return clean, f"Basic {base64.b64encode(pair.encode()).decode()}"
-
-
-def display_url(url: str) -> str:
-    """The URL without user:password (never let credentials reach a row or a log line)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 REGENERATE_MODES = ("last-turn", "all-turns")

@@ -34,8 +34,8 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from eagle3_assets.partitions import KEY_PATTERN, check_partition_key
-from eagle3_assets.storage import (
+from eagle3_assets.core.partition_keys import KEY_PATTERN, check_partition_key
+from eagle3_assets.core.storage import (
     DataLayout,
     PartitionBusyError,
     exclusive_lock,

@@ -17,16 +17,16 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets import storage
-from eagle3_assets.generation.config import GenerationConfig
+from eagle3_assets.core import storage
+from eagle3_assets.core.interrupts import run_interruptible
+from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation.engine import Engine, EngineStats, preflight
 from eagle3_assets.generation.fingerprint import FINGERPRINT_COLUMN
+from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.journal import Journal, JournalContents
 from eagle3_assets.generation.records import STATUS_OK, TURN_MARK, PromptToGenerate, rows_to_frame
 from eagle3_assets.generation.transport import close_all, make_transports
-from eagle3_assets.interrupts import run_interruptible
-from eagle3_assets.settings import ConfigError
-from eagle3_assets.storage import DataLayout
 
 Log = Callable[[str], None]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 
-from eagle3_assets.check_outcome import CheckOutcome
+from eagle3_assets.core.check_outcome import CheckOutcome
 from eagle3_assets.generation.records import STATUS_FAILED
 
 DEFAULT_MAX_ERROR_RATE = 0.01

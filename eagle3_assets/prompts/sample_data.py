@@ -1,6 +1,6 @@
 """The shipped sample dataset: varied prompts made here, so the demo needs no dataset hub.
 
-``python -m eagle3_assets.sample_data OUT.jsonl`` rebuilds ``eagle3_assets/data/sample_prompts.jsonl``
+``python -m eagle3_assets.prompts.sample_data OUT.jsonl`` rebuilds ``eagle3_assets/data/sample_prompts.jsonl``
 byte for byte (seeded). It mixes math, code, chat, reasoning and multi-turn prompts in all three row
 shapes the loader reads (OpenAI ``messages``, ShareGPT ``conversations``, plain ``prompt``).
 
@@ -16,8 +16,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3_assets.prompts import normalize_row
-from eagle3_assets.storage import DataLayout, write_parquet_atomic
+from eagle3_assets.core.storage import DataLayout, write_parquet_atomic
+from eagle3_assets.prompts.conversations import normalize_row
 
 DEFAULT_COUNT = 3000
 
