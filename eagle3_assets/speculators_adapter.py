@@ -19,6 +19,7 @@ from typing import Any
 def eagle3_classes() -> SimpleNamespace:
     """``Eagle3DraftModel`` (the draft, ``from_training_args`` / ``get_trainer_kwargs`` / ``save_pretrained``) and
     ``Eagle3SpeculatorConfig``, and the generic ``SpeculatorModel`` loader (``from_pretrained`` of any draft)."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators import SpeculatorModel
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
@@ -35,6 +36,7 @@ def create_transformer_layer_config(**kwargs: Any) -> Any:
     It lives in speculators' CLI module (``speculators.train.cli``); there is no library-level equivalent in 0.9, and
     rebuilding it here would drift from what vLLM expects of a speculators draft.
     """
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.train.cli import create_transformer_layer_config as build
 
     return build(**kwargs)
@@ -43,6 +45,7 @@ def create_transformer_layer_config(**kwargs: Any) -> Any:
 def offline_data() -> SimpleNamespace:
     """speculators' offline dataset pieces: ``ArrowDataset`` (reads our hidden-states layout), ``CollateFn``,
     the EAGLE-3 ``shift_batch`` preprocessing and the packing sampler ``MultipackDistributedBatchSamplerV2``."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
@@ -61,6 +64,7 @@ def shift_batch_every_position(batch: dict[str, Any]) -> dict[str, Any]:
     The loss target is the verifier's own distribution at each position (its last hidden states through its LM head),
     so a prompt position is as much the verifier's behaviour to imitate as an answer position; the states are already
     extracted, so this adds supervised positions at no extra cost. Module-level: loader workers pickle it."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
     from speculators.models.eagle3.data import shift_batch
 
@@ -69,6 +73,7 @@ def shift_batch_every_position(batch: dict[str, Any]) -> dict[str, Any]:
 
 def batch_preprocess(loss_on: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The per-sample preprocessing of a training batch: the loss on the answers only, or on every position."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.models.eagle3.data import shift_batch
 
     return shift_batch_every_position if loss_on == "all" else shift_batch
@@ -85,6 +90,7 @@ class _OptimizerArgs:
 
 def build_optimizers(model: Any, lr: float, weight_decay: float) -> list[Any]:
     """speculators' AdamW parameter groups (no weight decay on norms and biases)."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.train.optimizers import build_optimizers as build
 
     return build(model, _OptimizerArgs(lr=lr, weight_decay=weight_decay))
@@ -92,6 +98,7 @@ def build_optimizers(model: Any, lr: float, weight_decay: float) -> list[Any]:
 
 def normalize_counted_metrics(sums: dict[str, float]) -> dict[str, float]:
     """speculators' convention for metrics summed over batches: losses per batch, accuracies per token."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.train.utils import normalize_counted_metrics as normalize
 
     return normalize(sums)
@@ -99,6 +106,7 @@ def normalize_counted_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 def build_vocab_mappings(freq: Any, draft_vocab_size: int, target_vocab_size: int) -> tuple[Any, Any]:
     """(d2t, t2d) from token frequencies: target id = i + d2t[i]; t2d marks the draft's target tokens."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     return build_vocab_mappings_from_distribution(freq, draft_vocab_size, target_vocab_size)
@@ -106,6 +114,7 @@ def build_vocab_mappings(freq: Any, draft_vocab_size: int, target_vocab_size: in
 
 def load_model_layers(names: list[str], path: str) -> dict[str, Any]:
     """Named tensors from a model folder's safetensors shards, without building the model."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.utils.loading import load_model_layers as load
 
     return load(names, path)
@@ -114,6 +123,7 @@ def load_model_layers(names: list[str], path: str) -> dict[str, Any]:
 def hidden_states_client() -> SimpleNamespace:
     """speculators' vLLM extraction client: ``generate_hidden_states_async(client, model, {"input_ids": ids},
     timeout=, max_retries=)`` -> (connector file path, kv_transfer_params), and its ``InvalidResponseError``."""
+    # lazy: loads torch (heavy), which only this path needs
     from speculators.data_generation.vllm_client import InvalidResponseError, generate_hidden_states_async
 
     return SimpleNamespace(

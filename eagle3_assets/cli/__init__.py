@@ -7,23 +7,31 @@ Dagster-free core below it never imports (``tests/unit/test_import_graph.py``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eagle3_assets.core import settings
+from eagle3_assets import __version__
+from eagle3_assets.core import settings, storage
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.local import real_verifier
+from eagle3_assets.operations import backfill, status
+from eagle3_assets.operations.sync import sync
+from eagle3_assets.prompts.sample_data import write_sample
 
 
 def _layout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from eagle3_assets.core.storage import DataLayout
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
 
     return DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
 
 
 def cmd_counts(args: argparse.Namespace) -> int:
+    # lazy: loads duckdb (heavy), which only this path needs
     from eagle3_assets.operations.counts import print_counts
 
     return print_counts(_layout(args), as_json=args.json)
@@ -31,8 +39,8 @@ def cmd_counts(args: argparse.Namespace) -> int:
 
 def _instance():  # type: ignore[no-untyped-def]
     """The Dagster instance of DAGSTER_HOME (the one `make dev` and the daemon use)."""
-    import os
 
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
     home = os.environ.get("DAGSTER_HOME", "").strip()
@@ -54,7 +62,6 @@ Materialize) or use `dagster asset materialize --select ASSET --partition KEY`."
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from eagle3_assets.operations import backfill
 
     if not args.missing:
         print(BACKFILL_WITHOUT_MISSING, file=sys.stderr)
@@ -100,7 +107,6 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from eagle3_assets.operations.sync import sync
 
     layout = _layout(args)
     with _instance() as instance:
@@ -154,7 +160,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from eagle3_assets.operations import status
 
     layout = _layout(args)
     with _instance() as instance:
@@ -171,6 +176,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     """The effective value of every ``EAGLE3_*`` setting (a bad one is shown with its error, exit status 1). Secrets
     are masked: the API key is shown as ``***`` when set, a URL's ``user:password@`` as ``***@`` (terminals, CI
     logs and pasted bug reports keep what is printed)."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import settings_classes, settings_markdown
 
     if args.markdown:
@@ -192,16 +198,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
-    from eagle3_assets.prompts.sample_data import write_sample
 
     print(write_sample(Path(args.out), args.count, args.seed))
     return 0
 
 
 def cmd_build_verifier(args: argparse.Namespace) -> int:
-    from eagle3_assets.core import storage
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.local import real_verifier
 
     out = args.out or real_verifier.default_folder(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     try:
@@ -215,7 +219,6 @@ def cmd_build_verifier(args: argparse.Namespace) -> int:
 
 def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        import importlib
 
         try:
             target = importlib.import_module(module)
@@ -243,7 +246,6 @@ FORWARDED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eagle3_assets import __version__
 
     parser = argparse.ArgumentParser(prog="eagle3", description="Operate the eagle3-assets pipeline.")
     parser.add_argument("--version", action="version", version=f"eagle3 {__version__}")

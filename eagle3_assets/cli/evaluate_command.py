@@ -11,13 +11,19 @@ draft's batch-1 speed-up as the median of per-prompt ratios (plain and draft req
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3_assets.core import settings
 from eagle3_assets.core.partition_keys import InvalidPartitionKeyError, check_partition_key
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+from eagle3_assets.evaluation.evaluation_report import write_report
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
-from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS
+from eagle3_assets.evaluation.prompt_sets import PROMPT_SETS, parse_prompt_sets
+from eagle3_assets.local.reasoning import check_reasoning_parser
 
 
 def _partition_key(value: str) -> str:
@@ -90,17 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import json
 
-    from eagle3_assets.core import settings
-    from eagle3_assets.core.storage import DataLayout
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.evaluation import missing_states_extraction
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
-    from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
-    from eagle3_assets.evaluation.evaluation_report import write_report
-    from eagle3_assets.evaluation.prompt_sets import parse_prompt_sets
-    from eagle3_assets.local.reasoning import check_reasoning_parser
 
     if args.offline_only and args.online_only:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)

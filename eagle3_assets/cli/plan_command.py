@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets import planning
+from eagle3_assets.core.settings import parse_layer_ids
+from eagle3_assets.hidden_states import HiddenStatesConfig
+from eagle3_assets.local import real_verifier
+from eagle3_assets.training.train_config import TrainConfig
 
 # The server context `eagle3 demo --real` starts vLLM with (demo._setup's max_model_len; a test reads it there).
 DEMO_REAL_MAX_MODEL_LEN = 2048
@@ -74,9 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(env_value reading the effective settings, with `make demo-real`'s on top for --demo-real; run-config values)."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.hidden_states import HiddenStatesConfig
-    from eagle3_assets.training.train_config import TrainConfig
 
     run_config: dict[str, Any] = {
         "epochs": TrainConfig.epochs,
@@ -86,6 +89,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     }
     environ = dict(os.environ)
     if args.demo_real:
+        # lazy: loads duckdb (heavy), which only this path needs
         from eagle3_assets.operations import demo
 
         # demo.main: os.environ.setdefault for each, so a variable already set wins
@@ -131,8 +135,6 @@ def _verifier_sources(args: argparse.Namespace, env: Any) -> tuple[Path | None, 
     if configured:
         return Path(configured), None
     if args.demo_real:
-        from eagle3_assets.local import real_verifier
-
         folder = real_verifier.default_folder(args.data_dir or env("EAGLE3_DATA_DIR"))
         if (folder / "config.json").is_file():
             return folder, None
@@ -141,7 +143,6 @@ def _verifier_sources(args: argparse.Namespace, env: Any) -> tuple[Path | None, 
 
 
 def _model_and_tokenizer(args: argparse.Namespace, env: Any) -> tuple[planning.ModelShape, Any, str]:
-    from eagle3_assets.core.settings import parse_layer_ids
 
     folder, gguf = _verifier_sources(args, env)
     layer_ids = (
@@ -152,6 +153,7 @@ def _model_and_tokenizer(args: argparse.Namespace, env: Any) -> tuple[planning.M
     stated = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "vocab_size": args.vocab_size}
     tokenizer, name = None, ""
     if gguf is not None:
+        # lazy: loads transformers (heavy), which only this path needs
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -166,6 +168,7 @@ def _model_and_tokenizer(args: argparse.Namespace, env: Any) -> tuple[planning.M
         return shape, None, ""
     source = Path(args.tokenizer) if args.tokenizer else (folder if folder is not None and folder.is_dir() else None)
     if source is not None or gguf is not None:
+        # lazy: loads transformers (heavy), which only this path needs
         from transformers import AutoTokenizer
 
         try:

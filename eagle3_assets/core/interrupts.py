@@ -34,6 +34,7 @@ POLL_S = 0.2  # how often the waiting main thread wakes up to run a pending sign
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed: less CPU per request."""
     try:
+        # lazy: loads uvloop (heavy), which only this path needs
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is declared for every platform but Windows, which lacks it
         return None

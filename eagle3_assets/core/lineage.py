@@ -72,6 +72,7 @@ def prompt_drift(layout: DataLayout, keys: Iterable[str] | None = None) -> dict[
     One DuckDB pass per file over two small columns each; an unreadable file is skipped (``eagle3 status``
     reports it as unreadable on its own).
     """
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     files = layout.partition_files("synthetic_responses")

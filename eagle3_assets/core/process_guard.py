@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import pwd
 import signal
 import stat
 import sys
@@ -103,8 +104,6 @@ def user_dir() -> Path:
 
 def _owner_name(uid: int) -> str:
     try:
-        import pwd
-
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except (ImportError, KeyError):
         return f"uid {uid}"

@@ -427,6 +427,7 @@ class UnreadablePartitionError(ValueError):
 def footer_row_counts(files: dict[str, Path]) -> tuple[dict[str, int], dict[str, str]]:
     """Rows per partition file from its Parquet footer (no data scan), file by file so one broken file does
     not hide the rest. Returns (rows by partition key, error by partition key for unreadable files)."""
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     rows: dict[str, int] = {}
@@ -459,6 +460,7 @@ def partition_row_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
 
 def response_status_counts(layout: DataLayout) -> dict[str, dict[str, int]]:
     """Per-partition ok/failed/truncated and token sums of ``synthetic_responses`` (reads 4 small columns)."""
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     if not layout.partition_files("synthetic_responses"):

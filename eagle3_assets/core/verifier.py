@@ -24,6 +24,7 @@ class VerifierShape:
 
 def verifier_shape(verifier_path: str | Path) -> VerifierShape:
     """The verifier's layer count and widths from its config alone (no weights loaded)."""
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(verifier_path))

@@ -15,7 +15,9 @@ from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig, hidden_state
 from eagle3_assets.defs.inference import InferenceServerResource
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
-from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig
+from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig, ablation_folder, run_ablation
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
+from eagle3_assets.training import TrainConfig
 
 GROUP = "ablation"
 # assets that only run when asked for by name: the demo's stages and the automation leave them out
@@ -99,9 +101,6 @@ def regeneration_ablation(
     verifier: VerifierResource,
     inference_server: InferenceServerResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets.evaluation.ablation import ablation_folder, run_ablation
-    from eagle3_assets.evaluation.online_metrics import OnlineConfig
-    from eagle3_assets.training import TrainConfig
 
     train = TrainConfig(
         ttt_steps=config.k, num_layers=config.num_layers, device=verifier.device, precision=verifier.precision

@@ -1,16 +1,25 @@
 """``vocab_mapping`` and ``draft_model``: the draft vocabulary and the trained EAGLE-3 draft."""
 
 import json
+import re
+import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
 from eagle3_assets.core import settings
+from eagle3_assets.core.lineage import partitions_passing_checks
 from eagle3_assets.core.settings import setting
-from eagle3_assets.defs import metadata
+from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
+from eagle3_assets.defs import metadata, plots
 from eagle3_assets.defs.hidden_states import hidden_states
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
+from eagle3_assets.net.ports import find_free_port
+from eagle3_assets.training import TrainResult, build_vocab_mapping, train_draft
+from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
+from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
 from eagle3_assets.training.train_config import LOSS_ON, TrainConfig
 
 if TYPE_CHECKING:
@@ -18,7 +27,6 @@ if TYPE_CHECKING:
 
 
 def hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
-    from eagle3_assets.core.lineage import partitions_passing_checks
 
     # Only partitions whose checks passed (and whose responses did) train the draft; see docs/reliability.md.
     keys, excluded = partitions_passing_checks(
@@ -64,7 +72,6 @@ class VocabMappingRunConfig(SettingsConfig):
 def vocab_mapping(
     config: VocabMappingRunConfig, data_store: DataStoreResource, verifier: VerifierResource
 ) -> dg.MaterializeResult:
-    from eagle3_assets.training import build_vocab_mapping
 
     verifier_config = json.loads((verifier.resolved_path() / "config.json").read_text())
     train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
@@ -139,7 +146,6 @@ class DraftModelRunConfig(SettingsConfig):
 def configured_layer_ids(verifier: VerifierResource) -> tuple[int, ...] | None:
     """The aux layer ids the hidden_states asset extracts with now (EAGLE3_LAYER_IDS, else EAGLE-3's default for
     this verifier): training refuses partitions extracted at others. None without a verifier path."""
-    from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
 
     if not verifier.path.strip():
         return None
@@ -174,13 +180,6 @@ def _train_under_pipes(
 ) -> "TrainResult":
     """``train_config.procs`` torchrun ranks under Dagster Pipes: rank 0's logs and per-epoch metrics stream into
     this run; a failed rank fails the run with the message of :func:`~eagle3_assets.training.launch.failure_message`."""
-    import tempfile
-    from dataclasses import asdict
-
-    from eagle3_assets.net.ports import find_free_port
-    from eagle3_assets.training import TrainResult
-    from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
-    from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
 
     layout = data_store.layout
     with tempfile.TemporaryDirectory(prefix="eagle3-train-") as work:
@@ -206,7 +205,6 @@ def _train_under_pipes(
 
 def _exit_code(text: str) -> int | None:
     """torchrun's exit code from Pipes' error text ("External execution process failed with code N"), else None."""
-    import re
 
     match = re.search(r"process failed with code (-?\d+)", text)
     return int(match.group(1)) if match else None
@@ -229,7 +227,6 @@ def draft_model(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets.training import train_draft
 
     train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     core_config = train_config(config, verifier)
@@ -245,7 +242,6 @@ def draft_model(
 
 def draft_model_metadata(result: "TrainResult") -> dict[str, Any]:
     """The draft's materialization metadata: the run's extent, losses and acceptance estimates per epoch."""
-    from eagle3_assets.defs import plots
 
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = metadata.table(

@@ -9,15 +9,18 @@ import dagster as dg
 
 from eagle3_assets.core import settings
 from eagle3_assets.core.settings import setting
+from eagle3_assets.defs import plots
+from eagle3_assets.defs.metadata import table
 from eagle3_assets.defs.resources import (
     DataStoreResource,
     EvaluationServersResource,
     SettingsConfig,
     VerifierResource,
 )
-from eagle3_assets.evaluation.evaluate import EvaluationOptions
+from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT
+from eagle3_assets.training.online_states import extraction_side
 
 if TYPE_CHECKING:
     from eagle3_assets.core.storage import DataLayout
@@ -99,7 +102,6 @@ def evaluation_options(
 def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
     """Where the offline evaluation computes the states a held-out partition built for online training does not
     store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
-    from eagle3_assets.training.online_states import extraction_side
 
     return extraction_side(
         verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
@@ -109,7 +111,6 @@ def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
 
 def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
     """One sortable row per (draft, method): acceptance length, acceptance per position, speed."""
-    from eagle3_assets.defs.metadata import table
 
     positions = [f"acc_at_{j + 1}" for j in range(report.k)]
     columns = [
@@ -171,7 +172,6 @@ def draft_evaluation(
     verifier: VerifierResource,
     evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets.evaluation.evaluate import run_evaluation
 
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
@@ -184,7 +184,6 @@ def draft_evaluation(
 def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dict[str, Any]:
     """The evaluation's materialization metadata: the table, acceptance and speed-up per draft, method and prompt
     set, online vs offline agreement, and acceptance per draft position."""
-    from eagle3_assets.defs import plots
 
     metadata: dict[str, Any] = {
         "table": evaluation_table(report),

@@ -7,16 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import polars as pl
 
 from eagle3_assets.core import settings
-from eagle3_assets.core.lineage import HIDDEN_STATES_CODE_VERSION
+from eagle3_assets.core.lineage import HIDDEN_STATES_CODE_VERSION, LINEAGE_FILE, PartitionLineage, record_checks
 from eagle3_assets.core.settings import setting
+from eagle3_assets.defs import plots
 from eagle3_assets.defs.checks import check_result
 from eagle3_assets.defs.metadata import parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.defs.responses import synthetic_responses
 from eagle3_assets.hidden_states.extract import HiddenStatesConfig, HiddenStatesResult
+from eagle3_assets.hidden_states.state_checks import version_index_path
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
@@ -106,7 +109,7 @@ def hidden_states(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ):
-    from eagle3_assets.core.lineage import LINEAGE_FILE, PartitionLineage, record_checks
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.hidden_states import (
         check_finite,
         check_one_per_ok_response,
@@ -114,7 +117,6 @@ def hidden_states(
         extract_partition,
         publish,
     )
-    from eagle3_assets.hidden_states.state_checks import version_index_path
 
     _CHECKS = {TOKEN_IDS: check_token_ids, FINITE: check_finite, ONE_PER_OK: check_one_per_ok_response}
 
@@ -143,9 +145,6 @@ def hidden_states_metadata(
 ) -> dict[str, Any]:
     """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths.
     ``index_path``: the index of the version the run pinned (default: the current one)."""
-    import polars as pl
-
-    from eagle3_assets.defs import plots
 
     index_path = index_path or result.index_path
     lengths = pl.read_parquet(index_path)["seq_len"].to_list()

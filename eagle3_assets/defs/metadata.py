@@ -38,6 +38,7 @@ COLUMN_DESCRIPTIONS = {
 
 def column_schema(path: Path, descriptions: Mapping[str, str] = COLUMN_DESCRIPTIONS) -> dg.TableSchema:
     """The column schema of a Parquet file, from its footer (types as polars names them)."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     return dg.TableSchema(

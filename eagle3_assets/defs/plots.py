@@ -8,15 +8,18 @@ from collections.abc import Mapping, Sequence
 
 
 def _figure():  # type: ignore[no-untyped-def]
+    # lazy: loads matplotlib (heavy), which only this path needs
     import matplotlib
 
     matplotlib.use("Agg")  # no display on workers
+    # lazy: loads matplotlib (heavy), which only this path needs
     import matplotlib.pyplot as plt
 
     return plt.subplots(figsize=(6, 3.2), dpi=90)
 
 
 def _to_markdown(fig, title: str) -> str:  # type: ignore[no-untyped-def]
+    # lazy: loads matplotlib (heavy), which only this path needs
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()

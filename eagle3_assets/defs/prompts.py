@@ -83,6 +83,7 @@ def _cut_metadata(cut: prompt_files.Cut | None) -> dict:
 
 @dg.asset_check(asset=raw_prompts, description="Every sample_id appears once and every position is unique.")
 def raw_prompts_unique_ids(data_store: DataStoreResource) -> dg.AssetCheckResult:
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     path = str(data_store.layout.prompts_path).replace("'", "''")

@@ -10,6 +10,7 @@ resource fails when it starts, with the message naming the variable (``SettingsR
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, parse_prompt_sets
 from eagle3_assets.local.reasoning import check_reasoning_parser
 from eagle3_assets.prompts import conversations
+from eagle3_assets.prompts.prompt_files import resolve_dataset_path
 
 
 def _name_the_key(cls: type, value: Any, handler: Any, info: ValidationInfo) -> Any:
@@ -83,7 +85,6 @@ def check_writable_dir(root: Path, key: str, value: str) -> None:
     """Write (and remove) a probe file in ``root``, or in its nearest existing ancestor when it does not exist yet
     (nothing is left behind): a run fails at its start with the key and the remedy, not with a raw OSError on the
     first lock file (``_locks``) deep inside a step."""
-    import tempfile
 
     folder = root.absolute()
     while not folder.exists() and folder != folder.parent:
@@ -175,7 +176,6 @@ class PromptDatasetResource(SettingsResource):
 
     def dataset_file(self) -> Path:
         """The dataset file (``package:NAME`` resolved); ConfigError naming EAGLE3_PROMPTS_PATH if there is none."""
-        from eagle3_assets.prompts.prompt_files import resolve_dataset_path
 
         try:
             path = resolve_dataset_path(self.path)

@@ -3,8 +3,9 @@
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+import polars as pl
 
-from eagle3_assets.core.lineage import RESPONSES_CODE_VERSION
+from eagle3_assets.core.lineage import RESPONSES_CODE_VERSION, PartitionLineage
 from eagle3_assets.core.settings import setting
 from eagle3_assets.defs import plots
 from eagle3_assets.defs.checks import check_result
@@ -13,7 +14,8 @@ from eagle3_assets.defs.metadata import counts_table, parquet_table
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS, partition_key_of
 from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig
-from eagle3_assets.generation.response_checks import DEFAULT_MAX_ERROR_RATE
+from eagle3_assets.generation import generate_partition, partition_prompts
+from eagle3_assets.generation.response_checks import DEFAULT_MAX_ERROR_RATE, completeness_check, error_rate_check
 
 if TYPE_CHECKING:
     from eagle3_assets.generation import GenerationResult
@@ -60,9 +62,6 @@ def synthetic_responses(
     data_store: DataStoreResource,
     inference_server: InferenceServerResource,
 ):
-    from eagle3_assets.core.lineage import PartitionLineage
-    from eagle3_assets.generation import generate_partition, partition_prompts
-    from eagle3_assets.generation.response_checks import completeness_check, error_rate_check
 
     layout = data_store.layout
     key = partition_key_of(context)
@@ -96,7 +95,6 @@ def synthetic_responses(
 
 def responses_metadata(result: "GenerationResult") -> dict[str, Any]:
     """A partition's materialization metadata: its table, row outcomes, throughput and completion lengths."""
-    import polars as pl
 
     key = result.partition_key
     lengths = pl.read_parquet(result.path, columns=["completion_tokens", "status"]).filter(pl.col("status") == "ok")

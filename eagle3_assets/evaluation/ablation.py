@@ -41,7 +41,13 @@ from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.ablation_data import AblationConversation, dataset_rows, select_conversations
 from eagle3_assets.evaluation.ablation_report import AblationReport, DraftRow, write_ablation_report
+from eagle3_assets.evaluation.offline import evaluate_offline, load_draft
+from eagle3_assets.evaluation.prompt_sets import HELD_OUT, HUMANEVAL, Prompt, fitting_prompts, humaneval_prompts
+from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.records import PromptToGenerate
+from eagle3_assets.hidden_states.extract import extract_partition
+from eagle3_assets.training import build_vocab_mapping, train_draft
+from eagle3_assets.training.checkpoints import FINAL_DIR
 
 if TYPE_CHECKING:  # importing these pulls in torch
     from eagle3_assets.evaluation.online_metrics import OnlineConfig
@@ -161,7 +167,6 @@ def _generate(
     layout: DataLayout, key: str, prompts: Sequence[PromptToGenerate], mode: str, stages: _Stages
 ) -> tuple[int, float]:
     """(completion tokens generated, seconds) for one partition in ``mode``; (0, 0) when it was all on disk."""
-    from eagle3_assets.generation import generate_partition
 
     if stages.generation is None:
         raise ConfigError(
@@ -177,7 +182,6 @@ def _generate(
 
 def _extract(layout: DataLayout, key: str, stages: _Stages) -> float:
     """Hidden states of one partition (valid stored samples kept); the seconds spent computing new ones."""
-    from eagle3_assets.hidden_states.extract import extract_partition
 
     result = extract_partition(layout, key, stages.verifier, stages.hidden, log=stages.log)
     return result.extract_seconds if result.stored else 0.0
@@ -192,7 +196,6 @@ def _build_eval_sets(
     root: Path, held: list[PromptToGenerate], config: AblationConfig, stages: _Stages
 ) -> tuple[DataLayout, dict[str, str]]:
     """The held-out prompts and HumanEval answered once by the model (last-turn), with their hidden states."""
-    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, HUMANEVAL, humaneval_prompts
 
     layout = DataLayout(root / EVAL_FOLDER)
     first = -(-config.conversations // config.partition_size)
@@ -262,7 +265,6 @@ def training_plan(capped_tokens: Sequence[int], config: AblationConfig) -> tuple
 def _offline(
     draft_dir: Path, eval_layout: DataLayout, keys: dict[str, str], config: AblationConfig, stages: _Stages
 ) -> dict[str, float | None]:
-    from eagle3_assets.evaluation.offline import evaluate_offline, load_draft
 
     model = load_draft(draft_dir, stages.verifier)
     out: dict[str, float | None] = {}
@@ -278,8 +280,6 @@ def _train_one(
     eval_keys: dict[str, str], config: AblationConfig, stages: _Stages,
 ) -> DraftRow:  # fmt: skip
     """Train (or reuse) one draft and simulate its acceptance offline."""
-    from eagle3_assets.training import build_vocab_mapping, train_draft
-    from eagle3_assets.training.checkpoints import FINAL_DIR
 
     layout = _SeedLayout(variant.layout.root, f"draft_model_seed{seed}")
     epochs, per_epoch = plan
@@ -315,8 +315,8 @@ def _online(rows: list[DraftRow], eval_layout: DataLayout, held: list[PromptToGe
             config: AblationConfig, stages: _Stages, notes: list[str]) -> None:  # fmt: skip
     """Every draft in vLLM on the held-out prompts and HumanEval (one plain baseline); reused while the drafts and
     settings are the same."""
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.evaluation.online_metrics import OnlineConfig, evaluate_online
-    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, HUMANEVAL, Prompt, fitting_prompts, humaneval_prompts
 
     cfg = dataclasses.replace(stages.online or OnlineConfig(), k=config.k)
     sets = {

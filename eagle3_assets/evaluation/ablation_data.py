@@ -148,6 +148,7 @@ def dataset_rows(
     conversations: Sequence[AblationConversation], verifier_path: Path, partition_key: str
 ) -> tuple[pl.DataFrame, int]:
     """The dataset variant's responses partition (the engine's row schema) and how many turns were left out."""
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_path))

@@ -6,15 +6,19 @@ Shared by the ``draft_evaluation`` asset and ``eagle3 evaluate``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core import lineage
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
+from eagle3_assets.evaluation.offline import draft_verifier_path, evaluate_offline, load_draft, save_untrained_draft
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
+from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
 
 if TYPE_CHECKING:
     from eagle3_assets.training.online_states import OnlineExtraction
@@ -58,8 +62,8 @@ def held_out_partition(layout: DataLayout, requested: str | None) -> str | None:
 
 def training_init(draft_dir: Path) -> str | None:
     """The init the draft at ``draft_dir`` (``<draft_model>/final``) was trained from, if its history says."""
-    import json
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.training.checkpoints import HISTORY_FILE
 
     try:
@@ -81,8 +85,8 @@ def _online(
     notes: list[str],
 ) -> tuple[list[AcceptanceStats], list[OnlineRun]]:
     """The drafts in vLLM on every named prompt set."""
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.evaluation.online_metrics import evaluate_online
-    from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
 
     cfg = options.online_config
     cfg.k = options.k
@@ -166,8 +170,10 @@ def _missing_states(
 ) -> Iterator[Any]:
     """What computes the held-out samples' states the partition's pinned version ``folder`` does not store (None:
     none missing, or no extraction side given: the stored ones are evaluated, and the notes say how many)."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.state_checks import version_index_path
 
     index = pl.read_parquet(version_index_path(layout, partition, folder), columns=["file"])
@@ -179,6 +185,7 @@ def _missing_states(
         notes.append(f"offline: {index.height - missing} of {index.height} held-out samples store states; only those")
         yield None
         return
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.state_checks import read_meta
     from eagle3_assets.training.online_states import ONLINE_TRANSFER_DIR, fetching, for_partition
 
@@ -201,8 +208,7 @@ def _offline(
     """The drafts simulated on the held-out partition: one version of it, pinned while it is read, and refused
     when its lineage is stale for these drafts (other responses, another verifier, other layers than the
     trained draft consumes)."""
-    from eagle3_assets.core import lineage
-    from eagle3_assets.evaluation.offline import evaluate_offline
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states import publish, versions
 
     trained = models["trained"]
@@ -225,7 +231,6 @@ def run_evaluation(
     log: Callable[[str], None] | None = None,
     write: bool = True,
 ) -> EvaluationReport:
-    from eagle3_assets.evaluation.offline import draft_verifier_path, load_draft, save_untrained_draft
 
     options = options or EvaluationOptions()
     say = log or logger.info
@@ -242,6 +247,7 @@ def run_evaluation(
     models = {"trained": trained}
     untrained_dir = layout.evaluation_dir / UNTRAINED_DIR
     if options.untrained:
+        # lazy: looked up when called, so a test can replace it
         from eagle3_assets.evaluation.offline import build_untrained_like
 
         init = options.untrained_init or training_init(draft_dir)

@@ -54,6 +54,7 @@ def speedup_interval(
 
 @functools.lru_cache(maxsize=256)
 def _interval(ratios: tuple[float, ...], resamples: int, seed: int) -> tuple[float, float | None, float | None]:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     values = np.asarray(ratios, dtype=np.float64)

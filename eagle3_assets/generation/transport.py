@@ -264,7 +264,10 @@ class OpenAITransport:
         max_connections: int,
         reply_limit: ReplyLimit,
     ) -> None:
+        # lazy: loads httpx2 (heavy), which only this path needs
         import httpx2
+
+        # lazy: loads openai (heavy), which only this path needs
         import openai
 
         self.url = url
@@ -331,6 +334,7 @@ class OpenAITransport:
 
 def sdk_failure(error: BaseException) -> RequestFailed:
     """The SDK's exceptions as the aiohttp transport reports the same event (:func:`classify` for the rest)."""
+    # lazy: loads openai (heavy), which only this path needs
     import openai
 
     # the client's size cap, raised as the body arrived, or by its hook (and then wrapped by the SDK as a

@@ -49,6 +49,18 @@ from eagle3_assets.generation.records import (
     normalize_messages,
 )
 from eagle3_assets.generation.records import rows_to_frame as _frame
+from eagle3_assets.generation.run_common import (
+    corrupt_dir,
+    generation_result,
+    previous_rows,
+    read_finished_parquet,
+    request_model,
+    retire_journal,
+    run_async,
+    run_journaled,
+    set_aside,
+    space_floor,
+)
 from eagle3_assets.generation.transport import close_all, make_transports
 
 Log = Callable[[str], None]
@@ -228,7 +240,6 @@ def _read_store(
     """(the stored turn records that answer the current requests, the others: kept aside, never dropped).
 
     A store that cannot be read fails the run naming it; one proven corrupt is archived (``run_parts``)."""
-    from eagle3_assets.generation.run_common import read_finished_parquet
 
     frame = read_finished_parquet(path, archive_dir, log)
     if frame is None:
@@ -251,7 +262,6 @@ async def _pool(
     line_dir: Path,
 ) -> EngineStats:
     """Run the first pending turn of every conversation; each ok turn queues the conversation's next one."""
-    from eagle3_assets.generation.run_common import run_journaled
 
     transports = make_transports(config)
     engine: Engine | None = None
@@ -280,16 +290,6 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-    from eagle3_assets.generation.run_common import (
-        corrupt_dir,
-        generation_result,
-        previous_rows,
-        request_model,
-        retire_journal,
-        run_async,
-        set_aside,
-        space_floor,
-    )
 
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from eagle3_assets.core.settings import ConfigError
+from eagle3_assets.hidden_states.hf_backend import HFBackend
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +48,7 @@ def default_threads() -> int:
 @contextlib.contextmanager
 def torch_threads(num_threads: int | None) -> Iterator[None]:
     """Run a block with ``num_threads`` intra-op threads (None: :func:`default_threads`), then restore."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     before = torch.get_num_threads()
@@ -107,14 +110,10 @@ def make_backend(
     precision: str = "auto",
 ) -> HiddenStateBackend:
     if name == "hf":
-        from eagle3_assets.hidden_states.hf_backend import HFBackend
-
         return HFBackend(
             verifier_path, layer_ids, store_dtype=store_dtype, device=device, batch_tokens=batch_tokens,
             precision=precision,
         )  # fmt: skip
     if name == "vllm":
-        from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
-
         return VLLMBackend(verifier_path, layer_ids, store_dtype, batch_tokens, options=vllm_options, log=log)
     raise ConfigError(f"backend={name!r}: unknown hidden-states backend; choose one of {list(BACKEND_NAMES)}")

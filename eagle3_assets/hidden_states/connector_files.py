@@ -154,6 +154,7 @@ def read_connector_file(
     whatever else is wrong with it. A file that is unreadable or carries other ids is left alone (it may be anything
     that happens to lie in the folder: the reply is not trusted to say what may be deleted).
     """
+    # lazy: loads torch (heavy), which only this path needs
     import torch
     from safetensors.torch import load
 

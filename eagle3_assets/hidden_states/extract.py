@@ -54,6 +54,7 @@ from eagle3_assets.hidden_states.backends import (
     plan_batches,
     torch_threads,
 )
+from eagle3_assets.hidden_states.publish import INDEX_FILE
 from eagle3_assets.hidden_states.samples import (
     HS_FILE,
     HS_SUBDIR,
@@ -145,6 +146,7 @@ class HiddenStatesResult:
 
 def _save_dataset(data_dir: Path, rows: list[Row]) -> None:
     """speculators' dataset (torch format) via save_to_disk into a temp folder, then renamed into place."""
+    # lazy: loads datasets (heavy), which only this path needs
     from datasets import Dataset
 
     dataset = Dataset.from_dict(
@@ -169,6 +171,7 @@ def _save_dataset(data_dir: Path, rows: list[Row]) -> None:
 
 
 def _save_token_freq(data_dir: Path, rows: list[Row]) -> dict[int, int]:
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     counts: Counter[int] = Counter()
@@ -258,7 +261,6 @@ def _finish(
 ) -> tuple[int, Path]:
     """The training dataset, token frequencies, metadata, index and lineage record in the staging folder, then
     the partition published whole with one atomic switch; returns the sample files' bytes and the folder."""
-    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     _save_dataset(staging, rows)
     _save_token_freq(staging, rows)
@@ -421,6 +423,7 @@ def _rows_within_budget(
 
 
 def _write_index(index_path: Path, data_dir: Path, rows: list[Row], kept: set[int]) -> pl.DataFrame:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     frame = pl.DataFrame(

@@ -29,6 +29,7 @@ DEVICE_KEY = "EAGLE3_DEVICE"
 
 def load_options(device: str, precision: str = "auto") -> tuple[dict[str, Any], bool]:
     """``from_pretrained`` keyword arguments for ``device`` and ``precision``, and whether compute is on GPUs."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
@@ -58,7 +59,10 @@ class HFBackend:
         batch_tokens: int = 8192,
         precision: str = "auto",
     ) -> None:
+        # lazy: loads torch (heavy), which only this path needs
         import torch
+
+        # lazy: loads transformers (heavy), which only this path needs
         from transformers import AutoModelForCausalLM
 
         options, self.on_gpu = load_options(device, precision)
@@ -91,6 +95,7 @@ class HFBackend:
         return hook
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        # lazy: loads torch (heavy), which only this path needs
         import torch
 
         lengths = [len(ids) for ids in batch]

@@ -87,6 +87,7 @@ class ChatRenderer:
 
     def _assistant_spans(self, conversation: list[dict[str, Any]], prompt: list[dict[str, Any]]) -> tuple[str, list]:
         if self.uses_generation_tags:
+            # lazy: loads transformers (heavy), which only this path needs
             from transformers.utils.chat_template_utils import render_jinja_template
 
             rendered, indices = render_jinja_template(

@@ -9,6 +9,8 @@ written to a temporary name and renamed, so after a kill a file either is whole 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from eagle3_assets.core.storage import DataLayout, DiskSpaceError, atomic_path, read_error_keeping
 from eagle3_assets.hidden_states import storage_format
+from eagle3_assets.hidden_states.render import ChatRenderer
 
 if TYPE_CHECKING:
     import polars as pl
@@ -66,9 +69,8 @@ def read_ok_responses_with_digest(layout: DataLayout, partition_key: str) -> tup
     The file is read once into memory and both parsed and hashed from those bytes, so the digest a build's lineage
     records is that of what it read, even when the partition is regenerated (renamed over) meanwhile.
     """
-    import hashlib
-    import io
 
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     path = layout.responses_path(partition_key)
@@ -100,9 +102,8 @@ def render_rows(
     The server's ids (``prompt_token_ids`` + ``completion_token_ids``, loss on the completion) are exactly what
     vLLM will feed the draft; re-tokenizing the rendered text is the fallback for responses without them.
     """
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import AutoTokenizer
-
-    from eagle3_assets.hidden_states.render import ChatRenderer
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(verifier_path)), max_seq_len)
     rows = []
@@ -143,6 +144,7 @@ def validate_sample_file(path: Path, input_ids: list[int], n_states: int, hidden
     Reads the header and the token ids only; the hidden states themselves are checked by
     :func:`check_finite` (reading every value of a partition is the check's job, not every resume's).
     """
+    # lazy: loads safetensors (heavy), which only this path needs
     from safetensors import safe_open
 
     try:
@@ -185,6 +187,7 @@ def write_sample(
     path: Path, hidden_states: torch.Tensor, input_ids: list[int], sample_id: str, storage: str = "bfloat16"
 ) -> int:
     """Write one sample file in the ``storage`` dtype (``storage_format``); returns its size in bytes."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
     from safetensors.torch import save_file
 

@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.core.check_outcome import CheckOutcome
 from eagle3_assets.core.storage import DataLayout, read_json
+from eagle3_assets.hidden_states import publish
+from eagle3_assets.hidden_states.publish import INDEX_FILE
 from eagle3_assets.hidden_states.samples import hs_file, read_ok_responses
+from eagle3_assets.hidden_states.storage_format import load_states
 
 if TYPE_CHECKING:
     import polars as pl
@@ -30,7 +33,6 @@ def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None
     if data_dir is not None:
         yield data_dir
         return
-    from eagle3_assets.hidden_states import publish
 
     with publish.pinned(layout, [partition_key]) as dirs:
         yield dirs[partition_key]
@@ -38,7 +40,6 @@ def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None
 
 def version_index_path(layout: DataLayout, partition_key: str, data_dir: Path) -> Path:
     """The index of the version ``data_dir``; a folder of the earlier layout keeps it beside the folder."""
-    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     own = data_dir / INDEX_FILE
     return own if own.exists() else layout.hidden_states_index_path(partition_key)
@@ -51,6 +52,7 @@ def read_meta(layout: DataLayout, partition_key: str, data_dir: Path | None = No
 
 
 def _load_index(layout: DataLayout, partition_key: str, data_dir: Path) -> pl.DataFrame:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     return pl.read_parquet(version_index_path(layout, partition_key, data_dir))
@@ -64,7 +66,10 @@ def _stored_rows(index: pl.DataFrame) -> set[int]:
 
 def check_token_ids(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> CheckOutcome:
     """Every stored sample's ``token_ids`` equal its dataset row's ``input_ids`` (what speculators' loader needs)."""
+    # lazy: loads datasets (heavy), which only this path needs
     from datasets import load_from_disk
+
+    # lazy: loads safetensors (heavy), which only this path needs
     from safetensors import safe_open
 
     with version_folder(layout, partition_key, data_dir) as folder:
@@ -83,9 +88,8 @@ def check_token_ids(layout: DataLayout, partition_key: str, data_dir: Path | Non
 
 def check_finite(layout: DataLayout, partition_key: str, data_dir: Path | None = None) -> CheckOutcome:
     """No NaN/Inf in any stored hidden state (reads every value)."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
-
-    from eagle3_assets.hidden_states.storage_format import load_states
 
     with version_folder(layout, partition_key, data_dir) as folder:
         index = _load_index(layout, partition_key, folder)

@@ -49,6 +49,7 @@ def file_keys(storage: str) -> set[str]:
 
 def encode(states: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
     """``{"hidden_states": ...}`` (plus the scales for FP8) of ``states`` [T, L, H] in the storage dtype."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     if storage != FP8:
@@ -61,6 +62,7 @@ def encode(states: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
 
 def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """The stored states of one sample file as ``dtype`` (default: float32 for FP8, else as stored)."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     states = tensors["hidden_states"]
@@ -72,6 +74,7 @@ def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -
 
 def load_states(path: Path, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Read one sample file's hidden states (dequantized when FP8)."""
+    # lazy: loads torch (heavy), which only this path needs
     from safetensors.torch import load_file
 
     return decode(load_file(str(path)), dtype)
@@ -82,6 +85,7 @@ def training_transfer(hidden_states_dir: Path, storage: str, dtype: torch.dtype)
     (dequantizes to ``dtype``) for FP8, None (its default plain-file transfer) otherwise."""
     if storage != FP8:
         return None
+    # lazy: loads torch (heavy), which only this path needs
     from hs_connectors.transfer import FP8Transfer
 
     return FP8Transfer(hidden_states_dir, dequantize_dtype=dtype)

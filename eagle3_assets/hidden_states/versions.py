@@ -105,6 +105,7 @@ def record_hidden_states(
     so a regeneration of the partition meanwhile never makes these states look current. The data version
     hashes those inputs and the index content, so Dagster marks the partition (and the draft) stale when either
     changes."""
+    # lazy: the module has its own name for it
     from eagle3_assets.hidden_states.publish import INDEX_FILE, LINEAGE_FILE
 
     inputs = {"responses_data_version": responses_digest, "extraction": dict(extraction)}

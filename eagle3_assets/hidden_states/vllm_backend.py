@@ -30,6 +30,7 @@ is retried, never benches the server, so a body that never ends cannot fill this
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
+from eagle3_assets.core.verifier import verifier_shape
 from eagle3_assets.hidden_states.connector_files import (
     ExtractionError,
     ExtractionStopped,
@@ -51,6 +53,12 @@ from eagle3_assets.hidden_states.connector_files import (
     read_connector_file,
     sweep_stale_files,
 )
+from eagle3_assets.local.vllm_probe import probe_models
+from eagle3_assets.net.bounded_http import ReplyTooLarge, capped_openai_http_client
+from eagle3_assets.net.credentials import display_url, split_credentials
+from eagle3_assets.net.endpoints import EndpointPool
+from eagle3_assets.net.reply_limits import reply_limit
+from eagle3_assets.speculators_adapter import hidden_states_client
 
 if TYPE_CHECKING:
     import torch
@@ -125,9 +133,8 @@ class VLLMBackend:
         options: VLLMBackendOptions | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
+        # lazy: loads torch (heavy), which only this path needs
         import torch
-
-        from eagle3_assets.core.verifier import verifier_shape
 
         self.options = options or VLLMBackendOptions()
         self.layer_ids = list(layer_ids)
@@ -165,6 +172,7 @@ class VLLMBackend:
             raise
 
     def _start_embedded(self, verifier_path: Path) -> tuple[list[str], str]:
+        # lazy: looked up when called, so a test can replace it
         from eagle3_assets.local.extraction_server import start_extraction_server
 
         if self.options.storage_path:
@@ -188,13 +196,8 @@ class VLLMBackend:
         return [self._server.base_url], str(storage)
 
     def _connect(self, urls: list[str]) -> tuple[Any, dict[str, Any], str]:
+        # lazy: loads openai (heavy), which only this path needs
         import openai
-
-        from eagle3_assets.local.vllm_probe import probe_models
-        from eagle3_assets.net.bounded_http import capped_openai_http_client
-        from eagle3_assets.net.credentials import display_url, split_credentials
-        from eagle3_assets.net.endpoints import EndpointPool
-        from eagle3_assets.net.reply_limits import reply_limit
 
         # credentials inside a URL become its Authorization header; the URL itself is used (and shown) without them
         auth = dict(split_credentials(url) for url in urls)
@@ -234,7 +237,6 @@ class VLLMBackend:
         return pool, clients, model
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        import concurrent.futures
 
         future = asyncio.run_coroutine_threadsafe(self._extract_all([list(ids) for ids in batch]), self._loop)
         try:
@@ -328,10 +330,8 @@ class VLLMBackend:
     async def _request(self, url: str, index: int, ids: list[int]) -> torch.Tensor:
         """One attempt; a failure is classified: malformed (fails the sample now, never benches), refused key (stops
         the run), an outage (:class:`_Outage`: retried, benches the server) or another status (:class:`_Retry`)."""
+        # lazy: loads openai (heavy), which only this path needs
         import openai
-
-        from eagle3_assets.net.bounded_http import ReplyTooLarge
-        from eagle3_assets.speculators_adapter import hidden_states_client
 
         client = hidden_states_client()
         where = self._names[url]

@@ -51,6 +51,7 @@ def _build_of(python: str) -> str:
 def vllm_build(python: Path | str | None = None) -> str:
     """``cuda`` when the vLLM interpreter (default: ``$EAGLE3_VLLM_PYTHON`` or ``.venv-vllm``) holds PyPI's
     ``vllm``, else ``cpu``."""
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.local.vllm_server import default_vllm_python
 
     path = Path(python) if python is not None else default_vllm_python()

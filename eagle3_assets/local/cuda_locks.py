@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -224,7 +225,6 @@ def write_locks() -> None:
 def check_locks() -> list[Resolution]:
     """Resolve the project venv and the vLLM venv of the CUDA path as the Makefile installs them; raises
     ResolutionError, or AssertionError when the resolver picks a version the lock does not pin."""
-    import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]

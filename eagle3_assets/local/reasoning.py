@@ -28,6 +28,7 @@ def check_reasoning_parser(key: str, value: object) -> str:
     if text.lower() in (AUTO, NONE, ""):
         return text.lower() or NONE
     if not _PARSER_NAME.match(text):
+        # lazy: loads pydantic (heavy), which only this path needs
         from eagle3_assets.core.settings import fail
 
         raise fail(key, value, "must be `auto`, `none` or a vLLM reasoning parser name such as `deepseek_r1`")
@@ -60,6 +61,7 @@ def _tokens_of(model_dir: str, mtime_key: tuple[float, ...]) -> frozenset[str]:
         tokens.update(str(t.get("content")) for t in decoder.values() if isinstance(t, dict))
     if not tokenizer_json.is_file():
         # a slow-only tokenizer (sentencepiece / vocab files): let transformers read it, still without the model
+        # lazy: loads transformers (heavy), which only this path needs
         from transformers import AutoTokenizer
 
         try:

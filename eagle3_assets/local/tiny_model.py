@@ -34,7 +34,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from eagle3_assets.local.tiny_spec import (
     THINK_TOKENS,
     TinyModelSpec,
 )
+from eagle3_assets.local.tiny_weights import build_weights
 
 # ChatML-like. Assistant turns after the last user turn (the answer being trained on) always carry a think block,
 # so a rendered (prompt + response) sample has exactly the tokens the model saw when it generated the response after
@@ -100,6 +103,7 @@ _STDLIB_CORPUS_MODULES = (
 
 def default_corpus() -> Iterator[str]:
     """Tokenizer training text: the shipped sample prompts (if present), then a fixed set of stdlib sources."""
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
 
     if SAMPLE_PROMPTS_PATH.is_file():
@@ -139,6 +143,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Any:
     """Byte-level BPE (GPT-2 style pre-tokenization) with the special and think tokens; returns a `Tokenizer`."""
     # Single-threaded training keeps merges (ties included) independent of the thread schedule.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lazy: loads tokenizers (heavy), which only this path needs
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -229,6 +234,7 @@ def build_tiny_model(
     ``spec`` overrides every shape/knob; otherwise the defaults of `TinyModelSpec` with the given layer count,
     hidden size and vocab size (heads = hidden_size // 64, intermediate ~ 8/3 * hidden rounded up to 16).
     """
+    # lazy: loads safetensors (heavy), which only this path needs
     from safetensors.numpy import save_file
 
     if spec is None:
@@ -273,7 +279,6 @@ def build_tiny_model(
     suppressed = sorted(set(_unprintable_tokens(tokenizer)) | set(range(tokenizer.get_vocab_size(), spec.vocab_size)))
     candidates = sorted(set(_trigger_candidates(tokenizer)) - set(suppressed))
     # imported here: tiny_weights builds on this module's spec and token names
-    from eagle3_assets.local.tiny_weights import build_weights
 
     weights = build_weights(spec, ids, seed, trigger_candidates=candidates, suppressed=suppressed)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -284,8 +289,6 @@ def build_tiny_model(
 def cached_tiny_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, vocab_size: int = 4096) -> Path:
     """``build_tiny_model`` once per machine and shape, under the temp dir: the benchmarks, the GPU check and the
     tests share it. Built into a private folder and renamed into place, so concurrent users never see half a model."""
-    import shutil
-    import tempfile
 
     cache = Path(tempfile.gettempdir()) / "eagle3-assets-cache"
     final = cache / f"tiny-verifier-s{seed}-l{num_layers}-h{hidden_size}-v{vocab_size}"

@@ -52,6 +52,7 @@ def build_weights(
     ``trigger_candidates``: token ids allowed to trigger </think> / eos (default: every ordinary token).
     ``suppressed``: ordinary token ids the model must never generate (strongly negative logit).
     """
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     rng = np.random.Generator(np.random.PCG64(seed))
@@ -74,6 +75,7 @@ def build_weights(
 
 
 def _normal(rng: Any, shape: tuple[int, ...], std: float) -> Any:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
@@ -87,6 +89,7 @@ def _embeddings(
     ordinary: Any,
     trigger_candidates: Sequence[int] | None,
 ) -> Any:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     embed = _normal(rng, (spec.vocab_size, spec.hidden_size), spec.embed_std)
@@ -108,6 +111,7 @@ def _embeddings(
 def _decoder_layer(
     rng: Any, spec: TinyModelSpec, layer: int, channels: _Channels, embed: Any, ordinary: Any, ids: dict[str, int]
 ) -> dict[str, Any]:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     h, hd, nh = spec.hidden_size, spec.head_dim, spec.num_heads
@@ -160,6 +164,7 @@ def _lm_head(
     special_ids: list[int],
     suppressed: Sequence[int],
 ) -> Any:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     h = spec.hidden_size
@@ -190,6 +195,7 @@ def _lm_head(
 
 
 def _normed(rows: Any, channel: int) -> Any:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     rms = np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=1))

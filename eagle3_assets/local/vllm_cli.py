@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core import process_guard
+from eagle3_assets.core.settings import parse_layer_ids
+from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
+from eagle3_assets.local.extraction_server import extraction_server_config
 from eagle3_assets.local.process_group import SIGINT_WAIT_S, STOP_BUDGET_S, stop_process_group
 from eagle3_assets.local.vllm_probe import API_KEY_ENV, probe_models, unauthorized_message
 from eagle3_assets.local.vllm_server import (
@@ -68,10 +71,6 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
 
 def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     """``--hidden-states``: the verifier in extraction mode (the ``vllm`` hidden-states backend's server)."""
-
-    from eagle3_assets.core.settings import parse_layer_ids
-    from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
-    from eagle3_assets.local.extraction_server import extraction_server_config
 
     if args.speculative_config:
         raise SystemExit("error: --hidden-states sets its own --speculative-config; drop one of the two")

@@ -65,6 +65,7 @@ class ReplyTooLarge(ValueError):
 def _capped_stream_class() -> type:
     """The class of a capped ``httpx2`` response stream (an ``httpx2.AsyncByteStream``, as its Response requires),
     made on first use: the urllib probes of this module never import httpx2."""
+    # lazy: loads httpx2 (heavy), which only this path needs
     import httpx2
 
     class CappedStream(httpx2.AsyncByteStream):
@@ -96,6 +97,7 @@ def _capped_stream_class() -> type:
 
 def _capping_hook(limit_for: Callable[[httpx2.Request], int]) -> Callable[[httpx2.Response], Awaitable[None]]:
     async def cap(response: httpx2.Response) -> None:
+        # lazy: loads httpx2 (heavy), which only this path needs
         import httpx2
 
         request = response.request
@@ -135,6 +137,7 @@ def capped_openai_http_client(
     Bodies are asked for uncompressed (``Accept-Encoding: identity``) and a compressed one is refused, so the cap on
     the bytes that arrive is a cap on the body the SDK holds.
     """
+    # lazy: loads openai (heavy), which only this path needs
     import openai
 
     headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}

@@ -24,10 +24,12 @@ its hidden states are missing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.lineage import PartitionLineage, prompt_drift
 from eagle3_assets.core.partition_keys import check_partition_key
 from eagle3_assets.operations.common import (
     FAILED,
@@ -112,8 +114,6 @@ def plan_missing(
         scope = [k for k in registered if k in set(partitions)]
     plan = BackfillPlan(asset=asset, registered=registered, status={})
     if layout is not None and asset == DEFAULT_ASSET:
-        from eagle3_assets.core.lineage import prompt_drift
-
         plan.stale = {k: d.describe() for k, d in prompt_drift(layout, scope).items()}
     if layout is not None:
         plan.stale_downstream = stale_downstream(layout, scope, extraction)
@@ -145,7 +145,6 @@ def _failed_checks(
     counts them as materialized (the output was written before its checks ran), but nothing downstream uses them."""
     if layout is None:
         return {}
-    from eagle3_assets.core.lineage import PartitionLineage
 
     found: dict[str, dict[str, str]] = {}
     for key in keys:
@@ -162,8 +161,10 @@ def launch(
     instance: dg.DagsterInstance, plan: BackfillPlan, graph: BaseAssetGraph | None = None, title: str | None = None
 ) -> str:
     """Store the backfill for the daemon; returns its id (Overview > Backfills > id in the UI)."""
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.operations.dagster_internals import store_asset_backfill
 
     if plan.empty:
@@ -187,6 +188,7 @@ def launch(
 
 def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str, list[str]]:
     """Partition keys per asset that a stored backfill targets (what the UI lists for it)."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.operations.dagster_internals import backfill_target_keys
 
     return backfill_target_keys(instance, backfill_id)
@@ -194,7 +196,6 @@ def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str
 
 def daemon_running(instance: dg.DagsterInstance, within_s: float = 120.0) -> bool:
     """Whether a dagster-daemon sent a backfill heartbeat recently (else a backfill would just wait)."""
-    import time
 
     beats = instance.get_daemon_heartbeats()
     beat = beats.get("BACKFILL")

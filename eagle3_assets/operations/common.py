@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.lineage import verifier_fingerprint
 from eagle3_assets.core.partition_keys import KEY_PATTERN
 
 logger = logging.getLogger(__name__)
@@ -25,12 +27,14 @@ MISSING = "missing"
 
 def load_asset_graph() -> BaseAssetGraph:
     """The asset graph of the code location (the same module ``workspace.yaml`` loads)."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.definitions import defs
 
     return defs.resolve_asset_graph()
 
 
 def asset_key(name: str) -> dg.AssetKey:
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
     return dg.AssetKey.from_user_string(name)
@@ -45,6 +49,7 @@ def partitions_def_of(graph: BaseAssetGraph, key: dg.AssetKey) -> Any:
 
 def registered_partition_keys(instance: dg.DagsterInstance, partitions_def: Any) -> list[str]:
     """All partition keys of ``partitions_def`` (dynamic ones are read from the instance)."""
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
     if isinstance(partitions_def, dg.DynamicPartitionsDefinition):
@@ -70,6 +75,7 @@ def partition_status(
     This is the cache the UI's partition bar reads: it is derived from the event log (materializations,
     planned materializations of runs in progress, and failures of runs that planned a partition).
     """
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.operations.dagster_internals import partition_statuses
 
     return partition_statuses(instance, key, partitions_def, partition_keys)
@@ -87,8 +93,10 @@ def latest_materializations(
     instance: dg.DagsterInstance, key: dg.AssetKey, partition_keys: Sequence[str]
 ) -> dict[str, RecordedMaterialization]:
     """The newest materialization event per partition (one storage query per 100 partitions)."""
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.operations.dagster_internals import RUNLESS_RUN_ID
 
     latest: dict[str, RecordedMaterialization] = {}
@@ -147,10 +155,11 @@ def current_extraction_settings(layout: Any) -> dict[str, Any]:
     """The verifier content and layer ids the environment's settings (``EAGLE3_VERIFIER_PATH``,
     ``EAGLE3_LAYER_IDS``) would extract hidden states with now; empty when no verifier is configured or readable
     (then only the responses are compared). max_seq_len and dtype are per-run config, so they are not compared."""
-    import json
 
-    from eagle3_assets.core.lineage import verifier_fingerprint
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.core.verifier import resolve_layer_ids
+
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.resources import VerifierResource
 
     try:
@@ -170,6 +179,7 @@ def current_extraction_settings(layout: Any) -> dict[str, Any]:
 def stale_downstream(layout: Any, keys: Sequence[str] | None, extraction: Any = None) -> dict[str, str]:
     """hidden_states partitions built from other responses or settings than the current ones (key -> why), after
     finishing any publish a kill interrupted (``publish.recover_idle``). ``extraction`` None: the environment's."""
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.hidden_states import publish
     from eagle3_assets.hidden_states.versions import stale_hidden_states
 

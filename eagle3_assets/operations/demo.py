@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -24,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 from eagle3_assets.core import settings
 from eagle3_assets.core.precision import fastest_cpu_precision
 from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.local import accelerator
+from eagle3_assets.local.real_verifier import build_real_verifier
+from eagle3_assets.local.reasoning import describe
+from eagle3_assets.local.tiny_model import build_tiny_model
 from eagle3_assets.operations.counts import print_counts
+from eagle3_assets.operations.measurement import MeasurementFile
+from eagle3_assets.training.checkpoints import HISTORY_FILE
 
 if TYPE_CHECKING:
     from eagle3_assets.generation.fullness import ServerFullness
@@ -104,6 +111,7 @@ RECIPE_POINT = {"samples": 2000, "epochs": 4, "humaneval_acceptance": 1.72, "spe
 def real_precision() -> str:
     """``EAGLE3_PRECISION`` of ``demo --real``: ``auto`` (bfloat16) where a GPU is visible, else the faster one of
     this CPU (``precision.fastest_cpu_precision``)."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     return "auto" if torch.cuda.is_available() else fastest_cpu_precision()
@@ -221,6 +229,7 @@ def run_stages(
     ``watch_server(name)``: a server whose fullness the stage ``name`` reports in one more line (or None);
     ``on_stage(name, partitions, seconds, figures)``: called as each stage ends (the run's measurement file)."""
 
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.ablation import OPT_IN_ASSETS
     from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
     from eagle3_assets.generation.partition_run import OVERLAPPED_PARTITIONS
@@ -283,6 +292,7 @@ def _run_partitions(
         return False
 
     if at_once > 1 and None not in partition_keys:
+        # lazy: loads dagster (heavy), which only this path needs
         from eagle3_assets.operations.partition_runs import run_partitions
 
         run_partitions(instance, name, [str(k) for k in partition_keys], run_config, at_once, report)
@@ -305,6 +315,7 @@ def materialize_asset(
     raise_on_error: bool = True,
 ) -> Any:
     """One asset (one partition of it) of the Definitions ``defs``, run with their own resources, as the UI would."""
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
     return dg.materialize(
@@ -325,8 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.real, args.run = True, args.run or "recipe"
     if args.samples is None:
         args.samples = RECIPE_SAMPLES if args.recipe else REAL_SAMPLES
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
 
     # bf16 compute where this CPU has it: hidden states and training ~2.6x faster, the demo's time goes to data; on
@@ -354,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # draft_evaluation measures the plain verifier on the demo's own server
             os.environ.setdefault("EAGLE3_EVAL_PLAIN_URL", server.base_url)
             os.environ.setdefault("EAGLE3_EVAL_MODEL", server.model_name)
+            # lazy: loads dagster (heavy), which only this path needs
             from eagle3_assets.definitions import build_definitions
 
             try:
@@ -385,7 +399,6 @@ def stop_on_sigterm() -> None:
 
 def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
     """The run's measurement file: its settings are the environment and run config the demo gave its stages."""
-    from eagle3_assets.operations.measurement import MeasurementFile
 
     env = REAL_ENV if args.real else DEMO_ENV
     settings_given = {
@@ -398,6 +411,7 @@ def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
 
 def _fullness_of(server: Any) -> Callable[[str], ServerFullness | None]:
     """The demo's own server watched while ``synthetic_responses`` generates, against its target concurrency."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.generation.fullness import ServerFullness
 
@@ -419,24 +433,20 @@ def _setup(
     verifier: Path, data_dir: Path, port: int, say: Callable[[str], None], real: bool = False
 ) -> tuple[list, Any]:
     """The verifier (the tiny one, or SmolLM2 with ``real``; built once) and the local vLLM serving it."""
-    from eagle3_assets.local import accelerator
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.local.vllm_server import LocalVLLMServer
 
     timings: list[tuple[str, str, float]] = []
     started = time.monotonic()
     if real:
-        from eagle3_assets.local.real_verifier import build_real_verifier
-
         build_real_verifier(verifier, say=say)
     elif not (verifier / "config.json").exists():
-        from eagle3_assets.local.tiny_model import build_tiny_model
-
         build_tiny_model(verifier, seed=0)
     timings.append(("verifier", "-", time.monotonic() - started))
     say(f"verifier: {verifier}")
     started = time.monotonic()
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.local.reasoning import describe
 
     # the real model: prompts up to EAGLE3_MAX_PROMPT_CHARS plus a 256-token answer fit 2,048 tokens
     sizing: dict[str, Any] = {"max_model_len": 2048, "kv_cache_gib": 2} if real else {}
@@ -459,9 +469,6 @@ def _setup(
 
 def _training_line(data_dir: Path, real: bool) -> str:
     """How much the draft was trained on and, for the real demo, where that sits against the recipe's point."""
-    import json
-
-    from eagle3_assets.training.checkpoints import HISTORY_FILE
 
     try:
         history = json.loads((data_dir / "draft_model" / HISTORY_FILE).read_text())

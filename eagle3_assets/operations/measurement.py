@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core import storage
 from eagle3_assets.core.settings import REPO_ROOT
 from eagle3_assets.core.storage import write_json_atomic
+from eagle3_assets.evaluation.evaluation_report import REPORT_JSON
+from eagle3_assets.training.checkpoints import HISTORY_FILE
 
 
 def commit_of(repo: Path = REPO_ROOT) -> tuple[str, bool]:
@@ -135,9 +138,6 @@ class MeasurementFile:
 
     def finish_run(self, data_dir: Path) -> Path:
         """:meth:`finish` with what an ``eagle3 demo`` run left in ``data_dir``."""
-        from eagle3_assets.core import storage
-        from eagle3_assets.evaluation.evaluation_report import REPORT_JSON
-        from eagle3_assets.training.checkpoints import HISTORY_FILE  # torch: only once the run is over
 
         layout = storage.DataLayout.at(data_dir)
         try:

@@ -116,6 +116,7 @@ def run_partitions(
 
 def _child_main(payload_json: str) -> int:
     """The child: one partition of one asset, with the definitions this environment builds."""
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.definitions import build_definitions
 
     payload = json.loads(payload_json)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.lineage import PartitionLineage, prompt_drift
 from eagle3_assets.core.storage import PARTITIONED_ASSETS, DataLayout, footer_row_counts
 from eagle3_assets.operations.common import (
     MATERIALIZED,
@@ -68,7 +69,6 @@ def partition_table(
     """One row per partition of each partitioned asset. ``extraction``: the hidden-states settings to compare
     with (None: the environment's, see ``common.current_extraction_settings``)."""
     graph = graph or load_asset_graph()
-    from eagle3_assets.core.lineage import prompt_drift
 
     rows: list[PartitionRow] = []
     drift = {k: d.describe() for k, d in prompt_drift(layout).items()}
@@ -115,7 +115,6 @@ def partition_table(
 
 
 def _failed_checks(layout: DataLayout, asset: str, partition: str) -> str:
-    from eagle3_assets.core.lineage import PartitionLineage
 
     lineage = PartitionLineage.load(layout, asset, partition)
     if lineage is None or not lineage.checks or lineage.checks_passed:

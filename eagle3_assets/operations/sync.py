@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.lineage import prompt_drift
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.operations.common import (
     FAILED,
@@ -66,6 +67,7 @@ def _quote(path: Path) -> str:
 
 def _parquet_facts(path: Path) -> tuple[int, set[str]]:
     """Row count (footer only) and column names; raises on a file that is not readable Parquet."""
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     with duckdb.connect() as con:
@@ -87,8 +89,10 @@ def validate_prompts(layout: DataLayout) -> FileVerdict:
 
 
 def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | None) -> FileVerdict:
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
+    # lazy: loads aiohttp (heavy), which only this path needs
     from eagle3_assets.generation.records import COLUMNS
     from eagle3_assets.generation.response_checks import completeness_check
 
@@ -104,7 +108,6 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
     outcome = completeness_check(path, expected_ids)
     if not outcome.passed:
         return FileVerdict("synthetic_responses", key, path, False, f"incomplete: {outcome.description}")
-    from eagle3_assets.core.lineage import prompt_drift
 
     drift = prompt_drift(layout, [key]).get(key)  # same ids, other prompts: the rows answer old questions
     if drift is not None:
@@ -134,6 +137,7 @@ def validate_responses(layout: DataLayout, key: str, expected_ids: list[str] | N
 
 
 def validate_hidden_states(layout: DataLayout, key: str) -> FileVerdict:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     path = layout.hidden_states_index_path(key)
@@ -170,6 +174,7 @@ def sync(
     graph: BaseAssetGraph | None = None,
 ) -> SyncReport:
     """Validate every partition file and record the valid ones Dagster lacks (see the module docstring)."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     graph = graph or load_asset_graph()
@@ -223,8 +228,10 @@ def _record_if_missing(
     dry_run: bool,
     include_failed: bool,
 ) -> None:
+    # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
+    # lazy: loads dagster (heavy), which only this path needs
     from eagle3_assets.defs.metadata import parquet_table
 
     key = asset_key(verdict.asset)

@@ -20,6 +20,7 @@ from eagle3_assets.hidden_states.storage_format import (
     bytes_per_token,
     safetensors_dtype,
 )
+from eagle3_assets.prompts.conversations import DatasetScan, Duplicate, Prompt, Reject
 
 PLANNED_DTYPES = ("bfloat16", FP8)
 _TOKEN_ID_BYTES = 8  # int64 token_ids beside the states in every sample file
@@ -158,7 +159,6 @@ def dataset_prompts(
     """The dataset's prompts as ``raw_prompts`` keeps them, with their token counts: the first ``tokenize_max``
     tokenized with ``count_tokens``, the rest estimated from their characters at the ratio measured on those (or at
     ``chars_per_token`` when there is no tokenizer). Memory: the scan's per-sample digests and two ints a sample."""
-    from eagle3_assets.prompts.conversations import DatasetScan, Duplicate, Prompt, Reject
 
     if count_tokens is None and not chars_per_token:
         raise PlanError("prompt tokens: give a tokenizer (the model folder) or a chars-per-token ratio")

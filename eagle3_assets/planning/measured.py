@@ -145,6 +145,7 @@ def measured_completion(run: MeasuredRun, keys: Sequence[str] | None = None) -> 
 def responses_completion(folder: str | Path) -> Completion:
     """Mean ``completion_tokens`` of the ok rows of a previous run's ``synthetic_responses`` Parquet files (a data
     directory or the asset's folder); read lazily, two columns."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     folder = Path(folder)

@@ -219,6 +219,7 @@ def _unreadable_parquet(path: Path, error: Exception) -> UnreadablePromptFile:
 
 def parquet_rows(path: Path) -> Iterator[Row]:
     """(row number, row, None, None) for each table row, decoded :data:`PARQUET_BATCH_ROWS` at a time."""
+    # lazy: loads pyarrow (heavy), which only this path needs
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core import storage
+from eagle3_assets.core.partition_keys import partition_of
 from eagle3_assets.prompts import prompt_files
 from eagle3_assets.prompts.conversations import DEFAULT_MAX_PROMPT_CHARS, DatasetScan, Duplicate, Prompt, Reject
 from eagle3_assets.prompts.prompt_files import Cut
@@ -144,10 +148,6 @@ def build_prompt_table(
     would move samples between partitions that may already be generated, so it is refused while
     downstream partitions exist.
     """
-    import contextlib
-
-    from eagle3_assets.core import storage
-    from eagle3_assets.core.partition_keys import partition_of
 
     dataset_file = prompt_files.resolve_dataset_path(dataset_path)
     scan = DatasetScan(dataset_file, max_prompt_chars, truncated, turns_kept, limit)
@@ -278,6 +278,7 @@ class _ParquetBatches:
             self._flush()
 
     def _flush(self) -> None:
+        # lazy: loads pyarrow (heavy), which only this path needs
         import pyarrow.parquet as pq
 
         batch = self.to_frame(self.pending).to_arrow()
@@ -308,8 +309,8 @@ def _sort_folder(target: Path) -> Path:
 def _sort_by_position(table: Path, scratch: Path) -> None:
     """Rewrite the Parquet file ``table`` ordered by position, in :data:`SORT_MEMORY` plus what DuckDB spills to
     ``scratch`` (never the working directory, DuckDB's default)."""
-    import shutil
 
+    # lazy: loads duckdb (heavy), which only this path needs
     import duckdb
 
     def quoted(path: Path) -> str:
@@ -343,9 +344,10 @@ def _refuse_bad_dataset(rows_read: int, tally: _Tally, dataset_path: str | Path,
 
 def _previous_positions(layout: Any, partition_size: int) -> dict[str, int]:
     """sample_id -> position of the table already written (empty on the first run); refuses a re-keying size."""
+    # lazy: loads pyarrow (heavy), which only this path needs
     import pyarrow.parquet as pq
 
-    from eagle3_assets.core import storage
+    # lazy: loads pydantic (heavy), which only this path needs
     from eagle3_assets.core.settings import ConfigError
 
     if not layout.prompts_path.exists():
@@ -368,6 +370,7 @@ def _previous_positions(layout: Any, partition_size: int) -> dict[str, int]:
 
 
 def _messages_type() -> Any:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     return pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
@@ -375,6 +378,7 @@ def _messages_type() -> Any:
 
 def _prompt_frame(batch: list[tuple[Prompt, int, str]]) -> Any:
     """One batch of the prompt table: (prompt, position, partition key) rows."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     return pl.DataFrame(
@@ -407,6 +411,7 @@ def dataset_turns_path(layout: Any) -> Path:
 
 
 def _dataset_turns_frame(prompts: list[Prompt]) -> Any:
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     return pl.DataFrame(

@@ -234,6 +234,7 @@ def fabricate_responses(
     max_words: int = 80,
 ) -> Path:
     """Write a ``synthetic_responses`` partition with the production columns; every ``failed_every``-th failed."""
+    # lazy: loads polars (heavy), which only this path needs
     import polars as pl
 
     rng = random.Random(f"{partition_key}-{seed}")

@@ -25,6 +25,7 @@ into ``checkpoints/`` resumes it. Pruning deletes only checkpoints proven to be 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import io
@@ -106,6 +107,7 @@ def _resume_candidates(ckpt_dir: Path) -> list[Path]:
 def saved_fingerprint(path: Path) -> str | None:
     """The fingerprint ``path`` was saved with; None when that cannot be told (gone, unreadable, corrupt: the
     resume judges those). The tensors are memory-mapped, not read: a checkpoint's size costs nothing here."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     try:
@@ -194,6 +196,7 @@ def load_latest_checkpoint(
     ``_other_runs/`` (:func:`set_aside`). A read error, a MemoryError, or a whole checkpoint that this environment
     cannot load fails the run naming the file: resuming from an older checkpoint would write over the newer one.
     """
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     for path in reversed(_resume_candidates(ckpt_dir)):
@@ -237,14 +240,20 @@ def load_latest_checkpoint(
 
 
 def rng_state() -> dict[str, Any]:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
+
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
+
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     torch.set_rng_state(state["torch"])
@@ -288,8 +297,8 @@ def named_write_errors(path: Path, what: str) -> Iterator[None]:
 
 
 def save_final(model: Any, final_dir: Path, dtype: str) -> None:
-    import copy
 
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     tmp = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}")
@@ -324,6 +333,7 @@ def save_checkpoint(
     """The trainable weights, optimizer, scheduler and RNG state and the history after ``epoch``, written atomically;
     only the newest ``keep_checkpoints`` of this ``fingerprint`` are kept, another fingerprint's are set aside
     (:func:`set_aside`, told through ``say``). Called on rank 0 only (every rank holds the same state)."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in VERIFIER_OWNED}

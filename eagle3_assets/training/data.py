@@ -7,6 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.storage import read_json
+from eagle3_assets.hidden_states.samples import HS_SUBDIR, hs_file
+from eagle3_assets.hidden_states.state_checks import META_FILE
+from eagle3_assets.hidden_states.storage_format import training_transfer
+from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 from eagle3_assets.training.online_states import OnlineExtraction, online_loader
 from eagle3_assets.training.ranks import Ranks
 from eagle3_assets.training.train_config import TrainConfig
@@ -19,7 +24,6 @@ SINGLE_PROCESS = Ranks()
 
 def _require_state_files(data_dir: Path, samples: int) -> None:
     """Stored training needs every sample's file: say which partition lacks how many, and the two ways on."""
-    from eagle3_assets.hidden_states.samples import hs_file
 
     missing = [row for row in range(samples) if not hs_file(data_dir, row).is_file()]
     if missing:
@@ -45,13 +49,8 @@ def make_loader(
     """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share);
     with ``online`` (training/online.py) each batch's states are fetched by the loader's workers instead.
     ``loss_on``: ``assistant`` (the loss mask the hidden states carry) or ``all`` (every position)."""
+    # lazy: loads torch (heavy), which only this path needs
     from torch.utils.data import ConcatDataset, DataLoader
-
-    from eagle3_assets.core.storage import read_json
-    from eagle3_assets.hidden_states.samples import HS_SUBDIR
-    from eagle3_assets.hidden_states.state_checks import META_FILE
-    from eagle3_assets.hidden_states.storage_format import training_transfer
-    from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 
     sp = offline_data()
     if online is not None and online.source != "stored":
@@ -79,6 +78,7 @@ def make_loader(
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     # collate adds bookkeeping (error_records, recovery metadata) that the model's **kwargs must not receive

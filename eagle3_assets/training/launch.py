@@ -26,7 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.process_guard import with_parent_death_signal
+from eagle3_assets.core.settings import REPO_ROOT
+from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.net.ports import find_free_port
 from eagle3_assets.training.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from eagle3_assets.training.loop import train_draft
 from eagle3_assets.training.train_config import TrainConfig, TrainResult
 
 RESULT_FILE = "result.json"
@@ -60,7 +65,6 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
     """``torchrun`` (as ``python -m torch.distributed.run``, so it is this interpreter's) for ``procs`` local ranks,
     behind the parent-death wrapper: torchrun gets SIGTERM (and stops its ranks) when the process that starts it
     dies, SIGKILL included, so a killed step leaves no training running and no ``draft_model`` lock held."""
-    from eagle3_assets.core.process_guard import with_parent_death_signal
 
     return with_parent_death_signal([
         sys.executable, "-m", "torch.distributed.run",
@@ -73,7 +77,6 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The workers' environment: this package importable, gloo on the loopback interface, one OpenMP thread pool
     per rank sized by the training config (not torchrun's default of 1 thread with a warning)."""
-    from eagle3_assets.core.settings import REPO_ROOT
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -101,7 +104,6 @@ def run_training_processes(
     spec: TrainSpec, procs: int, work_dir: Path, env: dict[str, str] | None = None
 ) -> TrainResult:
     """Run the torchrun job to completion without Dagster (tests, scripts); raise :class:`TrainingFailed` on failure."""
-    from eagle3_assets.net.ports import find_free_port
 
     spec_path = spec.write(work_dir / "train_spec.json")
     process = subprocess.Popen(torchrun_command(spec_path, procs, find_free_port()), env=worker_env(env))
@@ -129,6 +131,7 @@ def _open_pipes(rank: int) -> Any:
     """Rank 0's Dagster Pipes channel when launched by Dagster (None otherwise, and on the other ranks)."""
     if rank != 0 or "DAGSTER_PIPES_CONTEXT" not in os.environ:
         return None
+    # lazy: loads dagster_pipes (heavy), which only this path needs
     from dagster_pipes import open_dagster_pipes
 
     return open_dagster_pipes()
@@ -137,11 +140,9 @@ def _open_pipes(rank: int) -> Any:
 def worker_main(spec_path: Path) -> int:
     """One torchrun rank: join the group, train, and (rank 0) report to Pipes and write the result."""
     _die_with_parent()  # first: the imports below take seconds, a window in which torchrun could die unnoticed
+    # lazy: loads torch (heavy), which only this path needs
     import torch
     import torch.distributed as dist
-
-    from eagle3_assets.core.storage import DataLayout
-    from eagle3_assets.training.loop import train_draft
 
     spec = TrainSpec.read(spec_path)
     config = TrainConfig(**spec.config)

@@ -32,6 +32,8 @@ from eagle3_assets.core.precision import resolve_precision
 from eagle3_assets.core.settings import redact_url_credentials
 from eagle3_assets.core.storage import DataLayout, exclusive_lock, remove_dead_writers_temps
 from eagle3_assets.hidden_states import versions
+from eagle3_assets.hidden_states.backends import torch_threads
+from eagle3_assets.speculators_adapter import build_optimizers, normalize_counted_metrics
 from eagle3_assets.training import checkpoints as ckpt
 from eagle3_assets.training.data import make_loader, to_device
 from eagle3_assets.training.model import build_draft, resolve_device, trainer_kwargs
@@ -45,6 +47,7 @@ from eagle3_assets.training.online_states import (
 from eagle3_assets.training.pinning import partition_meta, pinned_partitions
 from eagle3_assets.training.ranks import Ranks
 from eagle3_assets.training.train_config import TrainConfig, TrainResult
+from eagle3_assets.training.vocab import fingerprint_part, read_vocab_mapping
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +61,7 @@ def train_step(
     model: Any, batch: dict[str, Any], optimizers: list[Any], schedulers: list[Any], call_kwargs: dict, autocast: Any
 ) -> tuple[float, dict[str, Any]]:
     """speculators Trainer's step: forward (TTT unrolled), backward, clip at 1.0, optimizer, scheduler."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     with autocast():
@@ -83,9 +87,8 @@ def evaluate(
     max_batches: int | None = None,
 ) -> dict:
     """Validation metrics summed over all batches, then normalized (speculators' counted-metric convention)."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
-
-    from eagle3_assets.speculators_adapter import normalize_counted_metrics
 
     model.eval()
     sums: dict[str, float] = {}
@@ -134,6 +137,7 @@ class _Run:
 
 
 def _schedulers(config: TrainConfig, optimizers: list, total_steps: int) -> list:
+    # lazy: loads transformers (heavy), which only this path needs
     from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     warmup = int(total_steps * config.warmup_ratio)
@@ -145,7 +149,10 @@ def _schedulers(config: TrainConfig, optimizers: list, total_steps: int) -> list
 
 
 def _seed(seed: int) -> None:
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
+
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     torch.manual_seed(seed)
@@ -166,10 +173,8 @@ def _prepare(
     online: OnlineExtraction | None = None,
 ) -> _Run:
     """The draft (seeded, DDP-wrapped with several ranks), loaders, optimizers, schedulers and the fingerprint."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
-
-    from eagle3_assets.speculators_adapter import build_optimizers
-    from eagle3_assets.training.vocab import fingerprint_part, read_vocab_mapping
 
     layer_ids, hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
     device = resolve_device(config.device)
@@ -321,6 +326,7 @@ class _Progress:
 
 def _end_epoch(run: _Run, epoch: int, losses: list[float], ckpt_dir: Path, on_epoch: EpochCallback | None) -> None:
     """Rank 0: validate, record, report and checkpoint; every rank then meets at a barrier."""
+    # lazy: loads numpy (heavy), which only this path needs
     import numpy as np
 
     if run.ranks.main:
@@ -399,7 +405,6 @@ def train_draft(
     In a torchrun worker (torch.distributed initialized) this is one rank of the job; see the module docstring.
     ``on_epoch`` (rank 0) receives each epoch's metrics as they are measured.
     """
-    from eagle3_assets.hidden_states.backends import torch_threads
 
     config = config or TrainConfig()
     config.validate()

@@ -8,9 +8,12 @@ with ``loss_implementation="eager"`` (the fused loss needs Triton).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.verifier import verifier_shape
+from eagle3_assets.speculators_adapter import create_transformer_layer_config, eagle3_classes
 from eagle3_assets.training.train_config import TrainConfig
 
 if TYPE_CHECKING:
@@ -24,8 +27,8 @@ _COPY_GAIN = 3.0
 
 def resolve_device(name: str) -> torch.device:
     """``auto``: the first CUDA device when there is one (under torchrun: this rank's), else the CPU."""
-    import os
 
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     if name == "auto":
@@ -43,8 +46,6 @@ def build_draft(
     mapping: tuple[Any, Any] | None,
 ) -> Any:
     """A freshly initialized EAGLE-3 draft for this verifier, built the way ``speculators train`` builds it."""
-    from eagle3_assets.core.verifier import verifier_shape
-    from eagle3_assets.speculators_adapter import create_transformer_layer_config, eagle3_classes
 
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=str(verifier_path),
@@ -92,6 +93,7 @@ def init_token_copy(model: Any) -> None:
     ~``_SELF_SCORE`` above the others), its value copies that slice, and the output projection writes it back, at
     ``_COPY_GAIN``, into the dimensions it came from. Every other weight keeps speculators' init; training moves all.
     """
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     layer = model.layers[0]
@@ -124,7 +126,6 @@ def init_token_copy(model: Any) -> None:
 
 
 def trainer_kwargs(config: TrainConfig) -> dict[str, Any]:
-    from eagle3_assets.speculators_adapter import eagle3_classes
 
     train_kwargs, _val_kwargs = eagle3_classes().Eagle3DraftModel.get_trainer_kwargs(
         loss_fn=config.loss_fn,

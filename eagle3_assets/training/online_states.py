@@ -23,6 +23,7 @@ token ids equal the sample's), filled by a transfer that hands it the fetched ba
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.settings import OUTAGE_BUDGET_S, read_api_key
+from eagle3_assets.hidden_states.backends import make_backend
+from eagle3_assets.hidden_states.connector_files import sweep_stale_files
+from eagle3_assets.hidden_states.samples import HS_SUBDIR
+from eagle3_assets.hidden_states.storage_format import decode
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 from eagle3_assets.training.ranks import Ranks
 from eagle3_assets.training.train_config import TrainConfig
 
@@ -74,9 +82,8 @@ class _BatchTransfer:
         path = self.stored(file_idx)
         if path is None:
             return None
+        # lazy: loads torch (heavy), which only this path needs
         from safetensors.torch import load_file
-
-        from eagle3_assets.hidden_states.storage_format import decode
 
         tensors = load_file(str(path))
         return {"hidden_states": decode(tensors), "token_ids": tensors["token_ids"]}
@@ -92,8 +99,6 @@ class OnlineDataset:
     """One partition read through speculators' ``ArrowDataset``, its states fetched a batch at a time."""
 
     def __init__(self, datapath: Path, max_len: int, dtype: Any, extraction: OnlineExtraction) -> None:
-        from eagle3_assets.hidden_states.samples import HS_SUBDIR
-        from eagle3_assets.speculators_adapter import offline_data
 
         self.extraction = extraction
         self.transfer = _BatchTransfer(Path(datapath) / HS_SUBDIR, read_stored=extraction.source == "hybrid")
@@ -116,6 +121,7 @@ class OnlineDataset:
         return self._backend
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        # lazy: loads torch (heavy), which only this path needs
         import torch
 
         started = time.perf_counter()
@@ -151,7 +157,6 @@ class OnlineConcat:
         return self.offsets[-1]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        import bisect
 
         groups: dict[int, list[tuple[int, int]]] = {}
         for position, index in enumerate(indices):
@@ -206,6 +211,7 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
     if extraction.source == "stored" or extraction.backend != "vllm" or extraction.vllm.urls:
         yield extraction
         return
+    # lazy: looked up when called, so a test can replace it
     from eagle3_assets.local.extraction_server import start_extraction_server
 
     server = start_extraction_server(
@@ -225,14 +231,12 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
         # A request the client gave up on (a retry after a timeout, a loader worker stopped mid-batch) is aborted in
         # the server, and the connector leaves the .lock it made when the request arrived (the file too, if it was
         # written). Nobody reads this folder once its server is down, so what is left is removed, not swept later.
-        from eagle3_assets.hidden_states.connector_files import sweep_stale_files
 
         sweep_stale_files(storage, older_than_s=0.0)
 
 
 def open_backend(extraction: OnlineExtraction) -> Any:
     """The extraction backend that computes states for token ids (float32, the partitions' layers)."""
-    from eagle3_assets.hidden_states.backends import make_backend
 
     x = extraction
     return make_backend(
@@ -269,8 +273,6 @@ def extraction_side(
     """The extraction side's settings (``EAGLE3_HIDDEN_STATES_*``), the layers left to :func:`for_partition`. The
     servers' API key is read here from ``EAGLE3_API_KEY``: it travels to spawned workers in memory (pickled), never
     in a saved config."""
-    from eagle3_assets.core.settings import OUTAGE_BUDGET_S, read_api_key
-    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
     vllm = VLLMBackendOptions(
         urls=tuple(urls), storage_path=storage, api_key=read_api_key(),
@@ -305,9 +307,8 @@ def online_loader(
 ) -> Any:  # fmt: skip
     """make_loader's online form: the same sampler and collate over datasets that fetch their states a batch at
     a time, in ``online_workers`` processes holding at most ``prefetch_batches`` ready batches each."""
+    # lazy: loads torch (heavy), which only this path needs
     from torch.utils.data import DataLoader
-
-    from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 
     sp = offline_data()
     datasets = [OnlineDataset(d, tokens, dtype, online) for d in dirs]

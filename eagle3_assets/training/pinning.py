@@ -13,7 +13,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.core.storage import DataLayout, read_json
+from eagle3_assets.hidden_states import publish
+from eagle3_assets.hidden_states.extract import META_FILE
+from eagle3_assets.hidden_states.publish import INDEX_FILE
 
 if TYPE_CHECKING:
     from eagle3_assets.training.ranks import Ranks
@@ -23,6 +26,7 @@ def _broadcast(ranks: Ranks, value: Any) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object)."""
     if ranks.world == 1:
         return value
+    # lazy: loads torch (heavy), which only this path needs
     import torch.distributed as dist
 
     box = [value]
@@ -36,7 +40,6 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
     publishes a new version beside it and never swaps or removes these files (publish.py). Rank 0 pins the
     current versions; the other ranks pin the very same folders (a publish between two ranks' look-ups
     cannot give them different data)."""
-    from eagle3_assets.hidden_states import publish
 
     if ranks.main:
         with publish.pinned(layout, keys) as dirs:
@@ -51,9 +54,6 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
 def partition_meta(layout: DataLayout, keys: Sequence[str], dirs: Mapping[str, Path] | None = None) -> dict[str, Any]:
     """The partitions' shared extraction metadata (of the pinned ``dirs`` when given); an error names the two
     that disagree."""
-    from eagle3_assets.core.storage import read_json
-    from eagle3_assets.hidden_states.extract import META_FILE
-    from eagle3_assets.hidden_states.publish import INDEX_FILE
 
     metas = {}
     for key in keys:

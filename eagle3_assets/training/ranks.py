@@ -18,6 +18,7 @@ class Ranks:
 
     @classmethod
     def current(cls) -> Ranks:
+        # lazy: loads torch (heavy), which only this path needs
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -26,6 +27,7 @@ class Ranks:
 
     def barrier(self) -> None:
         if self.world > 1:
+            # lazy: loads torch (heavy), which only this path needs
             import torch.distributed as dist
 
             dist.barrier()
@@ -34,6 +36,7 @@ class Ranks:
         """``value`` summed (or min-ed) over the ranks; itself in a single process."""
         if self.world == 1:
             return value
+        # lazy: loads torch (heavy), which only this path needs
         import torch
         import torch.distributed as dist
 

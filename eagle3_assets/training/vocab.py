@@ -19,6 +19,7 @@ and ``vocab.json`` (sizes, coverage). speculators' CLI takes ``--d2t-path``/``--
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 from collections import Counter
 from collections.abc import Sequence
@@ -26,8 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.hashing import digest, file_digest
+from eagle3_assets.core.lineage import NO_VOCAB_MAPPING
 from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.core.storage import DataLayout, exclusive_lock, write_bytes_atomic, write_json_atomic
+from eagle3_assets.hidden_states import publish
+from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
+from eagle3_assets.speculators_adapter import build_vocab_mappings
 
 MAPPING_FILE = "vocab_mapping.safetensors"
 LEGACY_FILES = ("d2t.npy", "t2d.npy")  # two separate files of earlier versions (could disagree): replaced
@@ -62,6 +68,7 @@ def check_vocab_mapping(d2t: Any, t2d: Any, path: Path, remedy: str = REMEDY) ->
     """Raise VocabMappingError (naming ``path`` and ``remedy``) unless d2t (int [draft]) and t2d (bool [target])
     describe the same draft vocabulary: t2d marks exactly ``draft`` target ids, and draft id i is target id
     i + d2t[i] for each of them, in order."""
+    # lazy: loads torch (heavy), which only this path needs
     import torch
 
     def fail(why: str) -> VocabMappingError:
@@ -82,6 +89,7 @@ def check_vocab_mapping(d2t: Any, t2d: Any, path: Path, remedy: str = REMEDY) ->
 
 def save_vocab_mapping(d2t: Any, t2d: Any, path: Path) -> None:
     """Both tensors in one safetensors file, written to a temporary name and renamed: never half of a pair."""
+    # lazy: loads torch (heavy), which only this path needs
     from safetensors.torch import save
 
     data = save(
@@ -109,9 +117,6 @@ def mapping_folder_digest(folder: Path, loaded: bytes | None) -> str:
     concurrent ``vocab_mapping`` run may have rebuilt. The other files (the counts and summary the mapping was built
     from) are read now, as before: a rebuild in between only makes the fingerprint match nothing, and the run
     starts fresh rather than resuming a draft of another vocabulary."""
-    import hashlib
-
-    from eagle3_assets.core.hashing import digest, file_digest
 
     hashes: dict[str, str] = {}
     if loaded is not None:
@@ -129,7 +134,6 @@ def fingerprint_part(layout: DataLayout, loaded: LoadedVocabMapping | None) -> s
     """What a training run's checkpoint fingerprint records for the vocabulary it trained with (``loaded``: what
     :func:`read_vocab_mapping` returned): the loaded mapping's :func:`mapping_folder_digest`, or, when it loaded
     none, that of the folder's other files, or ``lineage.NO_VOCAB_MAPPING`` when there is no folder."""
-    from eagle3_assets.core.lineage import NO_VOCAB_MAPPING
 
     if loaded is not None:
         return loaded.digest
@@ -148,7 +152,10 @@ def load_vocab_mapping(layout: DataLayout) -> tuple[Any, Any] | None:
 def read_vocab_mapping(layout: DataLayout) -> LoadedVocabMapping | None:
     """:func:`load_vocab_mapping` with the digest of the bytes read: the file is read ONCE, and both the tensors
     and the digest come from those bytes. None when no mapping was built."""
+    # lazy: loads safetensors (heavy), which only this path needs
     from safetensors import SafetensorError
+
+    # lazy: loads torch (heavy), which only this path needs
     from safetensors.torch import load
 
     path = layout.vocab_mapping_dir / MAPPING_FILE
@@ -187,11 +194,8 @@ def build_vocab_mapping(
     if not partition_keys:
         raise ValueError("vocab_mapping needs at least one hidden_states partition")
 
+    # lazy: loads torch (heavy), which only this path needs
     import torch
-
-    from eagle3_assets.hidden_states import publish
-    from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
-    from eagle3_assets.speculators_adapter import build_vocab_mappings
 
     counts: Counter[int] = Counter()
     with publish.pinned(layout, partition_keys) as dirs:  # the versions read: never swept or switched meanwhile
