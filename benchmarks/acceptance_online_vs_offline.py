@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from eagle3_assets.evaluation.online_metrics import OnlineConfig
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -20,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", type=Path, default=None, help="default: DATA_DIR/draft_model/final")
     parser.add_argument("--verifier", type=Path, default=None, help="default: the verifier the draft names")
     parser.add_argument("--partition", default=None)
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=OnlineConfig.k)
+    parser.add_argument("--prompts", type=int, default=OnlineConfig.prompts)
+    parser.add_argument("--max-tokens", type=int, default=OnlineConfig.max_tokens)
     parser.add_argument("--max-samples", type=int, default=256, help="0: all stored samples")
     parser.add_argument("--tolerance", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None, help="also write report.json/report.md there")
@@ -32,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3_assets.defs.registry import env_value
     from eagle3_assets.evaluation.evaluate import DEFAULT_TOLERANCE, EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.evaluation_report import write_report
-    from eagle3_assets.evaluation.online_metrics import OnlineConfig
 
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
     draft = args.draft or layout.draft_model_dir / "final"

@@ -38,7 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 import _common  # noqa: E402 (this checkout's package first on sys.path)
+from eagle3_assets.core.partition_keys import PARTITION_SIZE  # noqa: E402
 from eagle3_assets.generation.capacity import metrics_url, parse_load  # noqa: E402
+from eagle3_assets.generation.generation_config import GenerationConfig  # noqa: E402
 from fake_vllm import FakeConfig, FakeServerProcess  # noqa: E402
 
 
@@ -169,12 +171,12 @@ def load_average() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--partitions", type=int, default=6)
-    parser.add_argument("--partition-size", type=int, default=1000)
+    parser.add_argument("--partition-size", type=int, default=PARTITION_SIZE)
     parser.add_argument("--capacity", type=int, default=128, help="the server's max_num_seqs")
     parser.add_argument("--token-rate", type=float, default=400.0, help="fake: tokens/s per sequence")
     parser.add_argument("--median-tokens", type=float, default=800.0)
     parser.add_argument("--sigma", type=float, default=0.8)
-    parser.add_argument("--max-tokens", type=int, default=8000)
+    parser.add_argument("--max-tokens", type=int, default=GenerationConfig.max_tokens)
     parser.add_argument("--transport", default="", help="EAGLE3_TRANSPORT for the runs (default: the project's)")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--vllm", action="store_true", help="the real CPU vLLM on the tiny model instead")

@@ -35,6 +35,7 @@ from typing import Any
 
 import _common
 from bare_engines import bare_forward, bare_generation, bare_training
+from eagle3_assets.operations.demo_runs import REAL_ENV
 
 TARGETS = {"generation": 0.95, "extraction": 0.9, "training": 0.9}
 
@@ -46,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--partition", default="00000")
     parser.add_argument("--prompts", type=int, default=128, help="generation: the partition's first N prompts")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=int(REAL_ENV["EAGLE3_CONCURRENCY"]))
     parser.add_argument("--extract-samples", type=int, default=120)
     parser.add_argument("--train-steps", type=int, default=20)
     parser.add_argument("--stages", default="generation,extraction,training")
@@ -161,7 +162,7 @@ def extraction(args: argparse.Namespace, scratch: Path, precision: str) -> dict[
 
 def training(args: argparse.Namespace, scratch: Path, precision: str) -> dict[str, Any]:
     from eagle3_assets.core.storage import DataLayout
-    from eagle3_assets.operations.demo import REAL_ASSET_CONFIG
+    from eagle3_assets.operations.demo_runs import REAL_ASSET_CONFIG
     from eagle3_assets.training import TrainConfig, train_draft
     from eagle3_assets.training.vocab import read_vocab_mapping
 

@@ -60,6 +60,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.local.vllm_server import DEFAULT_PORT
+
 # Re-exported: tests and benchmarks import these names from fake_vllm.
 from fake_faults import FAULT_KINDS, LYING_FAULTS, NEVER_ENDING_FAULTS, FakeConfig, config_to_args, draw_fault
 from fake_http import FakeVLLM
@@ -95,7 +97,7 @@ def _parse_bool(text: str) -> bool:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[FakeConfig, str, int]:
     parser = argparse.ArgumentParser(prog="python -m fake_vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     defaults = FakeConfig()
     for f in fields(FakeConfig):
         if f.name == "faults":

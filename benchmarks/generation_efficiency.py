@@ -191,12 +191,12 @@ def memory_child(n: int, base_url: str, concurrency: int, stream: bool, transpor
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=GenerationConfig.concurrency)
     parser.add_argument("--rate", type=float, default=500.0, help="tokens/s per sequence")
     parser.add_argument("--median-tokens", type=float, default=300.0)
     parser.add_argument("--sigma", type=float, default=0.8)
-    parser.add_argument("--max-tokens", type=int, default=8000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=GenerationConfig.max_tokens)
+    parser.add_argument("--seed", type=int, default=0)  # own default: the fake server's lengths
     parser.add_argument("--stream", action="store_true", help="engine in streaming mode")
     parser.add_argument("--stream-interval", type=float, default=0.02, help="fake server's SSE chunk interval")
     parser.add_argument("--skip-baseline", action="store_true")

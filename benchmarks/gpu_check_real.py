@@ -13,8 +13,8 @@ stage is the project's own code, as ``learning_curve.py`` runs it:
 2. ``hidden states hf``: the ``hf`` backend, ``EAGLE3_DEVICE=auto`` and ``EAGLE3_PRECISION=auto`` (bf16 on the GPU);
 3. ``hidden states vllm``: the ``vllm`` backend against an extraction server started on the CUDA vLLM (bf16, vLLM's
    stock hidden-states connector), the same responses into a data dir of its own; training reads the hf states;
-4. ``vocab + train``: the vocabulary mapping and the recipe (``demo.REAL_ASSET_CONFIG``: 2,048-token steps, lr 1e-3,
-   ``loss_on=all``, draft vocabulary 8,192; 4 epochs), ``device=auto``; tokens/s are trained tokens per second;
+4. ``vocab + train``: the vocabulary mapping and the recipe (``demo_runs.REAL_ASSET_CONFIG``: 2,048-token steps,
+   lr 1e-3, ``loss_on=all``, draft vocabulary 8,192; 4 epochs), ``device=auto``; tokens/s are trained tokens per second;
 5. ``offline acceptance``: the project's offline simulation at k=3 on the 164 HumanEval problems' hidden states;
 6. ``online``: the draft in vLLM at k=3 against the plain verifier (the generation server), acceptance over all 164
    HumanEval problems and batch-1 tokens/s on their first ``--speed-prompts``, ``--repeats`` times: the speed-up is
@@ -275,6 +275,83 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
     )
 
 
+def verifier_stage(args: Any, report: Report) -> Path:
+    """The verifier: the tiny one on the dry path, else SmolLM2-135M-Instruct (built if missing)."""
+    with stage(report, "verifier") as row:
+        if args.dry:
+            from eagle3_assets.local.tiny_model import cached_tiny_model
+
+            verifier = cached_tiny_model()
+            row.note = "tiny verifier"
+            return verifier
+        from eagle3_assets.local.real_verifier import build_real_verifier
+
+        # where `eagle3 build-verifier` puts it: built once (~20 s on the CPU), reused by later runs
+        default = Path(os.environ.get("EAGLE3_DATA_DIR") or REPO / "data") / "_models" / "smollm2-135m-instruct"
+        verifier = args.verifier or default
+        build_real_verifier(verifier, say=lambda _m: None)
+        row.note = "SmolLM2-135M-Instruct"
+        return verifier
+
+
+def prompt_partitions(args: Any, layout: Any) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
+    """(training partition keys, prompts by partition key): the training partitions, the held-out set (also written
+    where training reads it) and the HumanEval problems, as ``learning_curve.py`` lays them out."""
+    prompts = lc.sharegpt_first_turns(args.samples + args.held_out, max_chars=1000 if args.dry else 4000)
+    held_out, training = prompts[: args.held_out], prompts[args.held_out :]
+    keys = [f"{i:05d}" for i in range((len(training) + lc.PARTITION - 1) // lc.PARTITION)]
+    sets = {key: training[i * lc.PARTITION : (i + 1) * lc.PARTITION] for i, key in enumerate(keys)}
+    sets[lc.HELD_OUT_KEY] = held_out
+    sets[lc.HUMANEVAL_KEY] = lc.humaneval_prompts()[: args.humaneval]
+    lc.write_held_out_prompts(layout, held_out)
+    return keys, sets
+
+
+def hidden_states_stages(
+    args: Any, report: Report, layout: Any, verifier: Path, all_keys: list[str], on_gpu: bool
+) -> None:
+    """Both backends' stages: hf into ``layout`` (what training reads), then vllm on a copy of the responses."""
+    import torch
+
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
+    from eagle3_assets.hidden_states.extract import HiddenStatesConfig
+    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+
+    # the tiny verifier has 4 layers: EAGLE-3's default [2, N//2, N-3] would repeat one (the demo's choice)
+    layer_ids = [1, 2, 3] if args.dry else resolve_layer_ids(None, verifier_shape(verifier).num_layers, "layers")
+    with stage(report, "hidden states hf") as row:
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        config = HiddenStatesConfig(layer_ids=layer_ids, device="auto", precision="auto",
+                                    batch_tokens=65536 if on_gpu else 8192)  # fmt: skip
+        hidden_states(layout, all_keys, verifier, config, row)
+        row.note += ", bf16" if on_gpu else ", float32 (CPU)"
+    free_gpu_cache()
+
+    vllm_layout = DataLayout.at(args.data / "vllm-backend")
+    copy_responses(layout, vllm_layout, all_keys)
+    with stage(report, "hidden states vllm") as row:
+        with extraction_servers(args, verifier, layer_ids, args.data / "_transfer") as url:
+            options = VLLMBackendOptions(urls=(url,), storage_path=str(args.data / "_transfer"), concurrency=64)
+            config = HiddenStatesConfig(layer_ids=layer_ids, backend="vllm", vllm=options)
+            hidden_states(vllm_layout, all_keys, verifier, config, row)
+        row.note += ", fake extraction server" if args.dry else ", bf16, stock connector (start-up included)"
+
+
+def offline_acceptance_stage(report: Report, layout: Any, draft: Path, verifier: Path, problems: int) -> None:
+    """The offline simulation at k=K on the HumanEval problems' hidden states."""
+    with stage(report, "offline acceptance") as row:
+        from eagle3_assets.evaluation.offline import evaluate_offline, load_draft
+
+        model = load_draft(draft, verifier)
+        stats = evaluate_offline({"trained": model}, layout, lc.HUMANEVAL_KEY, k=K, verifier=verifier,
+                                 log=lambda _m: None)  # fmt: skip
+        report.results["offline_humaneval"] = stats[0].mean_acceptance_length
+        row.note = f"k={K}, {problems} HumanEval problems"
+        del model
+
+
 def run(args: Any) -> Report:
     import torch
 
@@ -286,28 +363,8 @@ def run(args: Any) -> Report:
     args.data.mkdir(parents=True, exist_ok=True)
     layout = DataLayout.at(args.data)
 
-    with stage(report, "verifier") as row:
-        if args.dry:
-            from eagle3_assets.local.tiny_model import cached_tiny_model
-
-            verifier = cached_tiny_model()
-            row.note = "tiny verifier"
-        else:
-            from eagle3_assets.local.real_verifier import build_real_verifier
-
-            # where `eagle3 build-verifier` puts it: built once (~20 s on the CPU), reused by later runs
-            default = Path(os.environ.get("EAGLE3_DATA_DIR") or REPO / "data") / "_models" / "smollm2-135m-instruct"
-            verifier = args.verifier or default
-            build_real_verifier(verifier, say=lambda _m: None)
-            row.note = "SmolLM2-135M-Instruct"
-
-    prompts = lc.sharegpt_first_turns(args.samples + args.held_out, max_chars=1000 if args.dry else 4000)
-    held_out, training = prompts[: args.held_out], prompts[args.held_out :]
-    keys = [f"{i:05d}" for i in range((len(training) + lc.PARTITION - 1) // lc.PARTITION)]
-    sets = {key: training[i * lc.PARTITION : (i + 1) * lc.PARTITION] for i, key in enumerate(keys)}
-    sets[lc.HELD_OUT_KEY] = held_out
-    sets[lc.HUMANEVAL_KEY] = lc.humaneval_prompts()[: args.humaneval]
-    lc.write_held_out_prompts(layout, held_out)
+    verifier = verifier_stage(args, report)
+    keys, sets = prompt_partitions(args, layout)
     all_keys = [*keys, lc.HELD_OUT_KEY, lc.HUMANEVAL_KEY]
 
     with ExitStack() as servers:
@@ -321,29 +378,7 @@ def run(args: Any) -> Report:
         with stage(report, "generate") as row:
             generate(args, layout, plain.base_url, sets, row)
 
-        from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
-        from eagle3_assets.hidden_states.extract import HiddenStatesConfig
-        from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
-
-        # the tiny verifier has 4 layers: EAGLE-3's default [2, N//2, N-3] would repeat one (the demo's choice)
-        layer_ids = [1, 2, 3] if args.dry else resolve_layer_ids(None, verifier_shape(verifier).num_layers, "layers")
-        with stage(report, "hidden states hf") as row:
-            if on_gpu:
-                torch.cuda.reset_peak_memory_stats()
-            config = HiddenStatesConfig(layer_ids=layer_ids, device="auto", precision="auto",
-                                        batch_tokens=65536 if on_gpu else 8192)  # fmt: skip
-            hidden_states(layout, all_keys, verifier, config, row)
-            row.note += ", bf16" if on_gpu else ", float32 (CPU)"
-        free_gpu_cache()
-
-        vllm_layout = DataLayout.at(args.data / "vllm-backend")
-        copy_responses(layout, vllm_layout, all_keys)
-        with stage(report, "hidden states vllm") as row:
-            with extraction_servers(args, verifier, layer_ids, args.data / "_transfer") as url:
-                options = VLLMBackendOptions(urls=(url,), storage_path=str(args.data / "_transfer"), concurrency=64)
-                config = HiddenStatesConfig(layer_ids=layer_ids, backend="vllm", vllm=options)
-                hidden_states(vllm_layout, all_keys, verifier, config, row)
-            row.note += ", fake extraction server" if args.dry else ", bf16, stock connector (start-up included)"
+        hidden_states_stages(args, report, layout, verifier, all_keys, on_gpu)
 
         with stage(report, "vocab + train") as row:
             draft, result = train(args, layout, keys, verifier)
@@ -351,15 +386,7 @@ def run(args: Any) -> Report:
             row.note = f"{result.steps} steps, {args.epochs} epoch(s)"
         free_gpu_cache()
 
-        with stage(report, "offline acceptance") as row:
-            from eagle3_assets.evaluation.offline import evaluate_offline, load_draft
-
-            model = load_draft(draft, verifier)
-            stats = evaluate_offline({"trained": model}, layout, lc.HUMANEVAL_KEY, k=K, verifier=verifier,
-                                     log=lambda _m: None)  # fmt: skip
-            report.results["offline_humaneval"] = stats[0].mean_acceptance_length
-            row.note = f"k={K}, {len(sets[lc.HUMANEVAL_KEY])} HumanEval problems"
-            del model
+        offline_acceptance_stage(report, layout, draft, verifier, len(sets[lc.HUMANEVAL_KEY]))
         free_gpu_cache()
 
         if args.dry:
@@ -372,7 +399,7 @@ def run(args: Any) -> Report:
 
 def train(args: Any, layout: Any, keys: list[str], verifier: Path) -> tuple[Path, Any]:
     from eagle3_assets.core.verifier import verifier_shape
-    from eagle3_assets.operations.demo import REAL_ASSET_CONFIG
+    from eagle3_assets.operations.demo_runs import REAL_ASSET_CONFIG
     from eagle3_assets.training import TrainConfig, build_vocab_mapping, train_draft
 
     vocab = verifier_shape(verifier).vocab_size

@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.operations.demo_runs import REAL_ASSET_CONFIG
+from eagle3_assets.training.vocab import RECIPE_DRAFT_VOCAB_SIZE
+
+RECIPE_TRAINING = REAL_ASSET_CONFIG["draft_model"]
+
 HELD_OUT_KEY, HUMANEVAL_KEY = "90000", "90001"
 
 
@@ -127,10 +132,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="where the variants are built (default: <data>/_scale_bench)")
     parser.add_argument("--train-keys", default="00000")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)  # the recipe in docs/real_model.md
-    parser.add_argument("--tokens-per-batch", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=RECIPE_TRAINING["lr"])  # the recipe in docs/real_model.md
+    parser.add_argument("--tokens-per-batch", type=int, default=RECIPE_TRAINING["tokens_per_batch"])
     parser.add_argument("--loss-on", default="all", help="training loss positions: assistant|all (TrainConfig)")
-    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--draft-vocab", type=int, default=RECIPE_DRAFT_VOCAB_SIZE)
     parser.add_argument("--precision", default="float32", help="hidden-state compute and training autocast")
     parser.add_argument(
         "--threads", type=int,

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import _common
+from eagle3_assets.hidden_states.extract import HiddenStatesConfig
+from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
 
 LAYERS = [1, 2, 3]
 KEY = "00000"
@@ -27,14 +29,18 @@ def main() -> int:
     parser = _common.tiny_model_parser(__doc__, samples=200, hidden_size=64, vocab_size=1024)
     parser.add_argument("--url", default="", help="a running extraction server (default: the embedded CPU vLLM)")
     parser.add_argument("--storage", default="", help="with --url: this machine's mount of its connector folder")
-    parser.add_argument("--device", default="auto", help="hf backend device (auto, cpu, cuda, cuda:N)")
+    parser.add_argument(
+        "--device", default=HiddenStatesConfig.device, help="hf backend device (auto, cpu, cuda, cuda:N)"
+    )
+    # own default: float32 stores the states as computed (the backends' comparison needs no rounding)
     parser.add_argument("--dtype", default="float32", help="storage dtype (float32 or bfloat16)")
-    parser.add_argument("--concurrency", type=int, default=32, help="vllm requests in flight")
+    parser.add_argument(
+        "--concurrency", type=int, default=VLLMBackendOptions.concurrency, help="vllm requests in flight"
+    )
     args = parser.parse_args()
 
     from eagle3_assets.core.storage import DataLayout
-    from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+    from eagle3_assets.hidden_states import extract_partition
     from eagle3_assets.prompts.sample_data import fabricate_responses
 
     verifier = _common.tiny_model(args)

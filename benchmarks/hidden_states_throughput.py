@@ -16,11 +16,12 @@ from pathlib import Path
 
 import _common
 from bare_engines import bare_forward
+from eagle3_assets.hidden_states.hf_backend import BATCH_TOKENS
 
 
 def main() -> int:
     parser = _common.tiny_model_parser(__doc__, samples=300)
-    parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores but one)")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best of each counts")
     args = parser.parse_args()

@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
+from eagle3_assets.operations.demo_runs import REAL_ENV
+from eagle3_assets.training.train_config import TrainConfig
+from eagle3_assets.training.vocab import RECIPE_DRAFT_VOCAB_SIZE
+
 PARTITION = 500  # samples per training partition (the points are multiples of it)
 HELD_OUT_KEY = "90000"
 HUMANEVAL_KEY = "90001"
@@ -211,7 +216,8 @@ def write_partition(layout: Any, key: str, rows: list[dict[str, Any]]) -> None:
     write_parquet_atomic(rows_to_frame(rows), path)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, else ``sys.argv``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verifier", type=Path, required=True)
     parser.add_argument("--data", type=Path, required=True)
@@ -223,10 +229,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", default="1e-3", help="comma-separated: one point per value at the largest size")
-    parser.add_argument("--init", default="token_copy")
-    parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--tokens-per-batch", type=int, default=4096)
-    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--init", default=TrainConfig.init)
+    parser.add_argument("--draft-vocab", type=int, default=RECIPE_DRAFT_VOCAB_SIZE)
+    parser.add_argument("--tokens-per-batch", type=int, default=TrainConfig.tokens_per_batch)
+    parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads on CPU for extraction, training and offline "
@@ -237,18 +243,61 @@ def main() -> None:
     )
     parser.add_argument("--generator", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--base-url", default="", help="--generator vllm: a running server; default: start one")
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=int(REAL_ENV["EAGLE3_CONCURRENCY"]))
     parser.add_argument("--gen-batch", type=int, default=256)
     parser.add_argument("--curve", type=Path, help="where points are appended (default: <data>/curve.jsonl)")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new point after this many seconds")
-    parser.add_argument("--loss-on", default="assistant", help="training loss positions: assistant|all (TrainConfig)")
+    parser.add_argument(
+        "--loss-on", default=TrainConfig.loss_on, help="training loss positions: assistant|all (TrainConfig)"
+    )
     parser.add_argument(
         "--online", default="largest", help="points measured in vLLM: largest, all, none or comma-separated sizes"
     )
-    parser.add_argument("--online-k", default="3", help="comma-separated num_speculative_tokens measured online")
+    parser.add_argument(
+        "--online-k", default=str(SPECULATIVE_TOKENS), help="comma-separated num_speculative_tokens measured online"
+    )
     parser.add_argument("--online-repeats", type=int, default=2, help="online measurements per k (speed-up: mean)")
     parser.add_argument("--online-held-out", type=int, default=64, help="held-out prompts sent online")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def generate_missing(args: Any, layout: Any, sets: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Answer the prompts of every partition without a responses file (a re-run reuses the ones there) with the
+    chosen generator; returns those partitions."""
+    missing = {k: v for k, v in sets.items() if not layout.responses_path(k).exists()}
+    if missing:
+        if args.generator == "vllm":
+            vllm_generate(args, layout, missing)
+        else:
+            flat = [p for v in missing.values() for p in v]
+            rows = hf_generate(args.verifier, flat, args.max_tokens, args.device, args.gen_batch)
+            by_id = {r["sample_id"]: r for r in rows}
+            for key, items in missing.items():
+                write_partition(layout, key, [by_id[p["id"]] for p in items])
+    return missing
+
+
+def extract_hidden_states(args: Any, layout: Any, keys: list[str]) -> tuple[int, float]:
+    """The project's hf extraction over ``keys``; returns the tokens extracted and the seconds it took (timed after
+    the import, as this script always timed it, so hidden_states_s stays comparable across curve.jsonl files)."""
+    from eagle3_assets.hidden_states.extract import HiddenStatesConfig, extract_partition
+
+    t0 = time.perf_counter()
+    hs_config = HiddenStatesConfig(
+        device=args.device,
+        precision=args.precision,
+        batch_tokens=65536 if args.device != "cpu" else 8192,
+        num_threads=args.threads,
+    )
+    tokens = 0
+    for key in keys:
+        result = extract_partition(layout, key, args.verifier, hs_config, log=lambda s: None)
+        tokens += result.tokens
+    return tokens, time.perf_counter() - t0
+
+
+def main() -> None:
+    args = parse_args()
     if not args.precision:
         from eagle3_assets.core.precision import fastest_cpu_precision
 
@@ -283,33 +332,11 @@ def main() -> None:
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    missing = {k: v for k, v in sets.items() if not layout.responses_path(k).exists()}
-    if missing:
-        if args.generator == "vllm":
-            vllm_generate(args, layout, missing)
-        else:
-            flat = [p for v in missing.values() for p in v]
-            rows = hf_generate(args.verifier, flat, args.max_tokens, args.device, args.gen_batch)
-            by_id = {r["sample_id"]: r for r in rows}
-            for key, items in missing.items():
-                write_partition(layout, key, [by_id[p["id"]] for p in items])
+    missing = generate_missing(args, layout, sets)
     timings["generate_s"] = time.perf_counter() - t0
-    tokens = 0
     print(f"generation: {len(missing)} partitions in {timings['generate_s']:.1f} s", flush=True)
 
-    from eagle3_assets.hidden_states.extract import HiddenStatesConfig, extract_partition
-
-    t0 = time.perf_counter()
-    hs_config = HiddenStatesConfig(
-        device=args.device,
-        precision=args.precision,
-        batch_tokens=65536 if args.device != "cpu" else 8192,
-        num_threads=args.threads,
-    )
-    for key in [*keys, HELD_OUT_KEY, HUMANEVAL_KEY]:
-        result = extract_partition(layout, key, args.verifier, hs_config, log=lambda s: None)
-        tokens += result.tokens
-    timings["hidden_states_s"] = time.perf_counter() - t0
+    tokens, timings["hidden_states_s"] = extract_hidden_states(args, layout, [*keys, HELD_OUT_KEY, HUMANEVAL_KEY])
     print(f"hidden states: {tokens:,} tokens in {timings['hidden_states_s']:.1f} s", flush=True)
 
     run_points(args, layout, keys, sizes, done, curve_path, started, timings)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _common  # noqa: F401 (this checkout's package first on sys.path)
+from eagle3_assets.core.partition_keys import PARTITION_SIZE
 
 FORMATS = ("jsonl", "parquet")
 # Rows written to the Parquet dataset per row group (a few hundred MB of text, as a bulk export writes them).
@@ -191,7 +192,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=10.0, help="size of each dataset file (GB, 10**9 bytes)")
     parser.add_argument("--dir", type=Path, help="folder for the datasets and the data dir (default: a temp folder)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: jsonl, parquet")
-    parser.add_argument("--partition-size", type=int, default=1000)
+    parser.add_argument("--partition-size", type=int, default=PARTITION_SIZE)
     parser.add_argument("--child", nargs=3, metavar=("DATASET", "DATA_DIR", "PARTITION_SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

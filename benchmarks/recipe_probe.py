@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.training.vocab import RECIPE_DRAFT_VOCAB_SIZE
+
 BASE = {"epochs": 1, "lr": 3e-3, "tokens_per_batch": 2048, "max_val_batches": 8, "keep_checkpoints": 1}
 
 
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--verifier", type=Path, required=True)
     parser.add_argument("--train", default="00000", help="comma-separated training partitions")
     parser.add_argument("--val", default="00001", help="validation partition")
-    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--draft-vocab", type=int, default=RECIPE_DRAFT_VOCAB_SIZE)
     parser.add_argument("--base", default="{}", help="JSON: TrainConfig fields every variant starts from")
     parser.add_argument("--variant", action="append", required=True, help="NAME=JSON of TrainConfig fields")
     parser.add_argument("--out", type=Path, help="JSON lines (default: <data>/recipe_probe.jsonl)")

@@ -1,5 +1,9 @@
 """The Dagster code location: ``dagster dev -w workspace.yaml`` loads ``defs`` from here.
 
+Every module of the ``defs/`` folder is loaded the way Dagster's project layout does it (``dg.load_from_defs_folder``,
+configured by ``[tool.dg]`` in pyproject.toml), so a new asset file needs no second edit; this module adds what is
+the code location's own: the resources, the opt-in automation and the executor.
+
 Nothing heavy is imported at load (no torch, transformers or speculators): the assets import them
 inside their bodies, so the UI and the daemon load the code in a couple of seconds.
 """
@@ -8,18 +12,25 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle3_assets.defs import ablation, draft, evaluation, hidden_states, prompts, responses
+from eagle3_assets.core.settings import REPO_ROOT
 from eagle3_assets.defs.automation import code_location_settings, with_automation
 from eagle3_assets.defs.registry import default_resources
 
 
+def _unique(items: object) -> list:  # type: ignore[type-arg]
+    # a defs module that imports another's asset (to depend on it) makes the loader see that object twice
+    return list({id(item): item for item in (items or [])}.values())  # type: ignore[attr-defined]
+
+
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    modules = [prompts, responses, hidden_states, draft, evaluation, ablation]  # ablation: opt-in, see its module
-    assets, sensors = with_automation(dg.load_assets_from_modules(modules), code_location_settings())
+    found = dg.load_from_defs_folder(project_root=REPO_ROOT)
+    assets, sensors = with_automation(_unique(found.assets), code_location_settings())
     return dg.Definitions(
         assets=assets,
-        asset_checks=dg.load_asset_checks_from_modules(modules),
-        sensors=sensors,
+        asset_checks=_unique(found.asset_checks),
+        sensors=[*_unique(found.sensors), *sensors],
+        jobs=_unique(found.jobs),
+        schedules=_unique(found.schedules),
         resources=resources if resources is not None else default_resources(),
         # One partition is one process: the steps of a partition run share it instead of paying a
         # subprocess start each (see benchmarks/partition_overhead.py).

@@ -20,6 +20,7 @@ from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.local import real_verifier
 from eagle3_assets.operations import backfill, status
 from eagle3_assets.operations.sync import sync
+from eagle3_assets.prompts import sample_data
 from eagle3_assets.prompts.sample_data import write_sample
 
 
@@ -262,8 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = sub.add_parser("sample-data", help="rebuild the shipped sample prompt dataset")
     sample.add_argument("out", help="JSONL file to write")
-    sample.add_argument("--count", type=int, default=3000, help="prompts to write (default: %(default)s)")
-    sample.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    sample.add_argument(
+        "--count", type=int, default=sample_data.DEFAULT_COUNT, help="prompts to write (default: %(default)s)"
+    )
+    sample.add_argument("--seed", type=int, default=sample_data.DEFAULT_SEED, help="random seed (default: %(default)s)")
     sample.set_defaults(func=cmd_sample_data)
 
     backfill = sub.add_parser(

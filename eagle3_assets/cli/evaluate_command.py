@@ -42,19 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--partition",
         default=None,
         type=_partition_key,
-        help="held-out partition (default: the last hidden_states one)",
+        help="held-out partition (default: the one the draft held out, the last hidden_states one whose checks passed)",
     )
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default 3)")
-    p.add_argument("--prompts", type=int, default=32, help="held-out prompts sent online (default 32)")
+    p.add_argument("--k", type=int, default=OnlineConfig.k, help="num_speculative_tokens (default %(default)s)")
+    p.add_argument(
+        "--prompts", type=int, default=OnlineConfig.prompts, help="held-out prompts sent online (default %(default)s)"
+    )
     p.add_argument(
         "--prompt-sets",
         default=None,
         help=f"prompt sets, comma-separated ({', '.join(PROMPT_SETS)}; default: EAGLE3_EVAL_PROMPT_SETS)",
     )
-    p.add_argument("--humaneval-prompts", type=int, default=0, help="HumanEval problems sent online (0: all 164)")
-    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per online request (default 128)")
     p.add_argument(
-        "--concurrency", type=int, default=64, help="requests in flight per server for acceptance (default 64)"
+        "--humaneval-prompts",
+        type=int,
+        default=OnlineConfig.humaneval_prompts,
+        help="HumanEval problems sent online (0: all 164; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=OnlineConfig.max_tokens,
+        help="max_tokens per online request (default %(default)s)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=OnlineConfig.concurrency,
+        help="requests in flight per server for acceptance (default %(default)s)",
     )
     p.add_argument(
         "--speed-prompts",

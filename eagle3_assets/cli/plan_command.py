@@ -23,10 +23,8 @@ from eagle3_assets import planning
 from eagle3_assets.core.settings import parse_layer_ids
 from eagle3_assets.hidden_states import HiddenStatesConfig
 from eagle3_assets.local import real_verifier
+from eagle3_assets.operations import demo_runs
 from eagle3_assets.training.train_config import TrainConfig
-
-# The server context `eagle3 demo --real` starts vLLM with (demo._setup's max_model_len; a test reads it there).
-DEMO_REAL_MAX_MODEL_LEN = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,14 +87,11 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     }
     environ = dict(os.environ)
     if args.demo_real:
-        # lazy: loads duckdb (heavy), which only this path needs
-        from eagle3_assets.operations import demo
-
         # demo.main: os.environ.setdefault for each, so a variable already set wins
-        environ = {**demo.REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(demo.REAL_SAMPLES), **environ}
+        environ = {**demo_runs.REAL_ENV, "EAGLE3_PROMPTS_LIMIT": str(demo_runs.REAL_SAMPLES), **environ}
         for asset in ("hidden_states", "draft_model"):
-            run_config.update({k: v for k, v in demo.REAL_ASSET_CONFIG.get(asset, {}).items() if k in run_config})
-        run_config["max_model_len"] = DEMO_REAL_MAX_MODEL_LEN
+            run_config.update({k: v for k, v in demo_runs.REAL_ASSET_CONFIG.get(asset, {}).items() if k in run_config})
+        run_config["max_model_len"] = demo_runs.REAL_MAX_MODEL_LEN
     return (lambda key: env_value(key, environ)), run_config
 
 

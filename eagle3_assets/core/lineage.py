@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,6 +245,19 @@ def partitions_passing_checks(
         else:
             usable.append(key)
     return usable, excluded
+
+
+def held_out_key(usable: Sequence[str], requested: str | None = None) -> str | None:
+    """THE hold-out rule, for training's validation and the evaluation alike: ``requested``, else the last of the
+    ``usable`` hidden_states partitions (:func:`partitions_passing_checks`); None when there is none."""
+    return requested or (usable[-1] if usable else None)
+
+
+def held_out_partition(layout: DataLayout, requested: str | None = None) -> str | None:
+    """:func:`held_out_key` over the hidden_states partitions on disk whose checks passed: the partition the
+    draft_model asset held out of training, unless the data changed since."""
+    usable, _ = partitions_passing_checks(layout, sorted(layout.partition_files("hidden_states")))
+    return held_out_key(usable, requested)
 
 
 def training_inputs_digest(

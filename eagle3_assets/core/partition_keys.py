@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 KEY_WIDTH = 5
+PARTITION_SIZE = 1000  # samples per partition: the unit a failed run re-materializes alone
 # Every partition key is data, never a path: digits only, at least KEY_WIDTH of them. Keys reach the project from
 # outside (Dagster's "Add partition", its Python API and the CLI accept any string, slashes and dots included), and
 # each one becomes a file name under the data directory, so each is checked where it becomes a path.

@@ -13,6 +13,9 @@ from pathlib import Path
 from eagle3_assets.core.settings import ConfigError
 
 LAYER_IDS_KEY = "layer_ids"
+# k: the draft tokens proposed per step (vLLM's num_speculative_tokens) and the positions a draft is trained on
+# (training-time-test steps); every default of either is this one
+SPECULATIVE_TOKENS = 3
 
 
 @dataclass(frozen=True)

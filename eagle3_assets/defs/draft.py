@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 
 from eagle3_assets.core import settings
-from eagle3_assets.core.lineage import partitions_passing_checks
+from eagle3_assets.core.lineage import held_out_key, partitions_passing_checks
 from eagle3_assets.core.settings import setting
 from eagle3_assets.core.verifier import resolve_layer_ids, verifier_shape
 from eagle3_assets.defs import metadata, plots
@@ -21,6 +21,7 @@ from eagle3_assets.training import TrainResult, build_vocab_mapping, train_draft
 from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
 from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
 from eagle3_assets.training.train_config import LOSS_ON, TrainConfig
+from eagle3_assets.training.vocab import DRAFT_VOCAB_SIZE
 
 if TYPE_CHECKING:
     from eagle3_assets.training import TrainResult
@@ -44,20 +45,24 @@ def hidden_state_partitions(data_store: DataStoreResource) -> list[str]:
 
 
 def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], str]:
-    """(training keys, validation key): the chosen one, or the last, is held out."""
+    """(training keys, validation key): the chosen one, or by the one hold-out rule (``lineage.held_out_key``)."""
     if len(keys) < 2:
         raise ValueError(
             f"draft training needs at least 2 hidden_states partitions (one is held out for validation), found {keys}"
         )
-    val = val_partition or keys[-1]
+    val = held_out_key(keys, val_partition) or ""
     if val not in keys:
         raise ValueError(f"val_partition={val_partition!r} is not a materialized hidden_states partition ({keys})")
     return [k for k in keys if k != val], val
 
 
 class VocabMappingRunConfig(SettingsConfig):
-    draft_vocab_size: int = setting(32000, description="Draft vocabulary size (capped at the verifier's).", gt=0)
-    val_partition: str = setting("", description="Held-out partition (not counted); empty: the last partition.")
+    draft_vocab_size: int = setting(
+        DRAFT_VOCAB_SIZE, description="Draft vocabulary size (capped at the verifier's).", gt=0
+    )
+    val_partition: str = setting(
+        "", description="Held-out partition (not counted); empty: the last one whose checks passed."
+    )
 
 
 @dg.asset(

@@ -19,6 +19,7 @@ import dagster as dg
 from pydantic import ValidationError, ValidationInfo, field_validator
 
 from eagle3_assets.core import settings
+from eagle3_assets.core.partition_keys import PARTITION_SIZE
 from eagle3_assets.core.settings import API_KEY_ENV, ConfigError, read_api_key, setting
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, parse_prompt_sets
@@ -161,7 +162,9 @@ class PromptDatasetResource(SettingsResource):
         description="Rows whose prompt is longer (characters, all turns) are rejected with that reason.",
         gt=0,
     )
-    partition_size: int = setting(1000, env="EAGLE3_PARTITION_SIZE", description="Samples per partition.", gt=0)
+    partition_size: int = setting(
+        PARTITION_SIZE, env="EAGLE3_PARTITION_SIZE", description="Samples per partition.", gt=0
+    )
     max_reject_share: float = setting(
         0.05,
         env="EAGLE3_MAX_REJECT_SHARE",

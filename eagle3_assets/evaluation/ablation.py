@@ -39,6 +39,7 @@ from eagle3_assets.core import hashing, storage
 from eagle3_assets.core.partition_keys import partition_key
 from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.core.storage import DataLayout
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 from eagle3_assets.evaluation.ablation_data import AblationConversation, dataset_rows, select_conversations
 from eagle3_assets.evaluation.ablation_report import AblationReport, DraftRow, write_ablation_report
 from eagle3_assets.evaluation.offline import evaluate_offline, load_draft
@@ -48,6 +49,7 @@ from eagle3_assets.generation.records import PromptToGenerate
 from eagle3_assets.hidden_states.extract import extract_partition
 from eagle3_assets.training import build_vocab_mapping, train_draft
 from eagle3_assets.training.checkpoints import FINAL_DIR
+from eagle3_assets.training.vocab import RECIPE_DRAFT_VOCAB_SIZE
 
 if TYPE_CHECKING:  # importing these pulls in torch
     from eagle3_assets.evaluation.online_metrics import OnlineConfig
@@ -78,8 +80,8 @@ class AblationConfig:
     partition_size: int = 100  # conversations per partition (the unit a re-run reuses)
     # longer conversations are passed over: each must fit the server's context whole (~4 characters per token)
     max_conversation_chars: int = 6000
-    draft_vocab_size: int = 8192
-    k: int = 3
+    draft_vocab_size: int = RECIPE_DRAFT_VOCAB_SIZE
+    k: int = SPECULATIVE_TOKENS
     online: bool = True
     max_val_batches: int = 4
     offline_max_samples: int | None = 64

@@ -35,11 +35,11 @@ DEFAULT_TOLERANCE = 0.3
 
 @dataclass
 class EvaluationOptions:
-    k: int = 3
+    k: int = OnlineConfig.k
     online: bool = True
     offline: bool = True
     untrained: bool = True
-    partition: str | None = None  # held-out hidden_states / raw_prompts partition; default: the last one
+    partition: str | None = None  # held-out hidden_states / raw_prompts partition; None: lineage.held_out_partition
     offline_max_samples: int | None = None
     untrained_seed: int = 0
     # the untrained baseline's init (TrainConfig.init); None: the one recorded in the draft's training history
@@ -50,14 +50,6 @@ class EvaluationOptions:
     # where the states of held-out samples the partition does not store are computed (a partition built for online
     # training: training.online.extraction_side); None: the offline evaluation reads stored states only
     extraction: OnlineExtraction | None = None
-
-
-def held_out_partition(layout: DataLayout, requested: str | None) -> str | None:
-    """The requested partition, else the draft_model asset's default hold-out: the last hidden_states partition."""
-    if requested:
-        return requested
-    keys = sorted(layout.partition_files("hidden_states"))
-    return keys[-1] if keys else None
 
 
 def training_init(draft_dir: Path) -> str | None:
@@ -239,7 +231,7 @@ def run_evaluation(
         raise FileNotFoundError(f"no speculators draft at {draft_dir} (config.json missing): train draft_model first")
     if options.k <= 0:
         raise ValueError(f"k={options.k}: must be a positive integer")
-    partition = held_out_partition(layout, options.partition)
+    partition = lineage.held_out_partition(layout, options.partition)
     notes: list[str] = []
 
     trained = load_draft(draft_dir, verifier)

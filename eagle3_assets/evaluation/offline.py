@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.core.storage import DataLayout, remove_dead_writers_temps, replace_dir_atomic
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
 from eagle3_assets.speculators_adapter import eagle3_classes, load_model_layers
 
@@ -336,7 +337,7 @@ def evaluate_offline(
     models: dict[str, Any],
     layout: DataLayout,
     partition_key: str,
-    k: int = 3,
+    k: int = SPECULATIVE_TOKENS,
     verifier: str | Path | None = None,
     max_samples: int | None = None,
     log: Callable[[str], None] | None = None,

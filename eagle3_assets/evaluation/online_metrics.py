@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.interrupts import run_interruptible
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, pair_record
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
 from eagle3_assets.local import accelerator
@@ -89,7 +90,7 @@ class GenerationRun:
 
 @dataclass
 class OnlineConfig:
-    k: int = 3
+    k: int = SPECULATIVE_TOKENS
     prompts: int = 32  # held-out prompts
     humaneval_prompts: int = 0  # HumanEval problems; 0: all 164
     max_tokens: int = 128

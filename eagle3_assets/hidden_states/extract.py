@@ -54,6 +54,7 @@ from eagle3_assets.hidden_states.backends import (
     plan_batches,
     torch_threads,
 )
+from eagle3_assets.hidden_states.hf_backend import BATCH_TOKENS
 from eagle3_assets.hidden_states.publish import INDEX_FILE
 from eagle3_assets.hidden_states.samples import (
     HS_FILE,
@@ -77,6 +78,7 @@ from eagle3_assets.hidden_states.state_checks import (  # noqa: F401 (re-exporte
 )
 from eagle3_assets.hidden_states.storage_format import STORAGE_DTYPES, backend_dtype
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+from eagle3_assets.local.extraction_server import context_for
 
 if TYPE_CHECKING:
     import polars as pl
@@ -97,10 +99,10 @@ class HiddenStatesConfig:
     backend: str = "hf"
     device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
     precision: str = "auto"  # hf backend compute: "auto" (bf16 on GPUs, float32 on CPUs), "float32", "bfloat16"
-    batch_tokens: int = 8192  # padded tokens per forward pass
+    batch_tokens: int = BATCH_TOKENS
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers
-    # Bytes of state files to keep (training/online.py): None stores every sample; 0 stores none (an online
+    # Bytes of state files to keep (training/online_states.py): None stores every sample; 0 stores none (an online
     # partition: token ids, masks, frequencies and lineage only, the states computed while training); N stores the
     # first rows up to ~N bytes (hybrid training reads those and fetches the rest).
     store_budget_bytes: int | None = None
@@ -230,7 +232,7 @@ def _compute(
     """Run the backend over the pending rows and write their files; returns the extraction seconds (start-up of the
     backend, a model load or a server start, excluded)."""
     (data_dir / HS_SUBDIR).mkdir(parents=True, exist_ok=True)
-    vllm_options = dataclasses.replace(config.vllm, max_model_len=config.max_seq_len + 1)
+    vllm_options = dataclasses.replace(config.vllm, max_model_len=context_for(config.max_seq_len))
     if not vllm_options.urls and not vllm_options.storage_path:
         # the embedded server's connector files live in the partition folder, so the next run's sweep removes
         # what a killed run left in flight

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 from eagle3_assets.core.precision import resolve_precision
 from eagle3_assets.core.settings import ConfigError
 
+# padded tokens per forward pass (both backends batch by it; larger fills a GPU better, 8k suits 2 CPU cores)
+BATCH_TOKENS = 8192
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,7 +59,7 @@ class HFBackend:
         layer_ids: list[int],
         store_dtype: str = "bfloat16",
         device: str = "auto",
-        batch_tokens: int = 8192,
+        batch_tokens: int = BATCH_TOKENS,
         precision: str = "auto",
     ) -> None:
         # lazy: loads torch (heavy), which only this path needs

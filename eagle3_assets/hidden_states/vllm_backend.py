@@ -53,6 +53,7 @@ from eagle3_assets.hidden_states.connector_files import (
     read_connector_file,
     sweep_stale_files,
 )
+from eagle3_assets.hidden_states.hf_backend import BATCH_TOKENS
 from eagle3_assets.local.vllm_probe import probe_models
 from eagle3_assets.net.bounded_http import ReplyTooLarge, capped_openai_http_client
 from eagle3_assets.net.credentials import display_url, split_credentials
@@ -129,7 +130,7 @@ class VLLMBackend:
         verifier_path: str | Path,
         layer_ids: list[int],
         store_dtype: str = "bfloat16",
-        batch_tokens: int = 8192,  # the servers place the model: no device here, unlike the hf backend
+        batch_tokens: int = BATCH_TOKENS,  # the servers place the model: no device here, unlike the hf backend
         options: VLLMBackendOptions | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:

@@ -61,12 +61,18 @@ def kv_transfer_config(storage_path: str | Path, connector: str = CONNECTOR_CLAS
     return config
 
 
+def context_for(max_seq_len: int) -> int:
+    """The context an extraction server needs for samples of up to ``max_seq_len`` tokens: each sample plus the one
+    token the server generates (extraction is a prefill with max_tokens=1)."""
+    return max_seq_len + 1
+
+
 def max_model_len_for(verifier_path: Path, max_seq_len: int) -> int:
-    """A sample of ``max_seq_len`` tokens plus the one generated token, capped at the verifier's context."""
+    """:func:`context_for` ``max_seq_len``, capped at the verifier's context."""
     config = json.loads((verifier_path / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
-    limit = int(config.get("max_position_embeddings") or max_seq_len + 1)
-    return min(max_seq_len + 1, limit)
+    limit = int(config.get("max_position_embeddings") or context_for(max_seq_len))
+    return min(context_for(max_seq_len), limit)
 
 
 def extraction_server_config(

@@ -20,6 +20,7 @@ from eagle3_assets.core.storage import DataLayout, write_parquet_atomic
 from eagle3_assets.prompts.conversations import normalize_row
 
 DEFAULT_COUNT = 3000
+DEFAULT_SEED = 0
 
 _TOPICS = [
     "photosynthesis",
@@ -193,7 +194,7 @@ def _row(index: int, rng: random.Random) -> dict[str, object]:
     return {"prompt": turns[0][1]} if rng.random() < 0.3 else {"id": sample_id, "prompt": turns[0][1]}
 
 
-def make_sample_rows(count: int = DEFAULT_COUNT, seed: int = 0) -> list[dict[str, object]]:
+def make_sample_rows(count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEED) -> list[dict[str, object]]:
     rng = random.Random(seed)
     rows, seen = [], set()
     index = 0
@@ -208,7 +209,7 @@ def make_sample_rows(count: int = DEFAULT_COUNT, seed: int = 0) -> list[dict[str
     return rows
 
 
-def write_sample(path: Path, count: int = DEFAULT_COUNT, seed: int = 0) -> Path:
+def write_sample(path: Path, count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEED) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         for row in make_sample_rows(count, seed):
@@ -228,7 +229,7 @@ def fabricate_responses(
     layout: DataLayout,
     partition_key: str,
     n: int,
-    seed: int = 0,
+    seed: int = DEFAULT_SEED,
     failed_every: int = 0,
     min_words: int = 30,
     max_words: int = 80,

@@ -1,5 +1,5 @@
 """What a training step reads: the partitions' shared metadata, the packed loaders over them (stored states through
-speculators' ``ArrowDataset``; online ones through ``training/online.py``) and a batch moved to the device."""
+speculators' ``ArrowDataset``; online ones through ``training/online_states.py``) and a batch moved to the device."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def make_loader(
     loss_on: str = "assistant",
 ) -> Any:
     """speculators' offline dataset per partition, concatenated, packed by its own sampler (this rank's share);
-    with ``online`` (training/online.py) each batch's states are fetched by the loader's workers instead.
+    with ``online`` (training/online_states.py) each batch's states are fetched by the loader's workers instead.
     ``loss_on``: ``assistant`` (the loss mask the hidden states carry) or ``all`` (every position)."""
     # lazy: loads torch (heavy), which only this path needs
     from torch.utils.data import ConcatDataset, DataLoader

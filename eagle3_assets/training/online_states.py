@@ -34,9 +34,11 @@ from typing import Any
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, read_api_key
 from eagle3_assets.hidden_states.backends import make_backend
 from eagle3_assets.hidden_states.connector_files import sweep_stale_files
+from eagle3_assets.hidden_states.hf_backend import BATCH_TOKENS
 from eagle3_assets.hidden_states.samples import HS_SUBDIR
 from eagle3_assets.hidden_states.storage_format import decode
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackendOptions
+from eagle3_assets.local.extraction_server import context_for
 from eagle3_assets.speculators_adapter import batch_preprocess, offline_data
 from eagle3_assets.training.ranks import Ranks
 from eagle3_assets.training.train_config import TrainConfig
@@ -56,7 +58,7 @@ class OnlineExtraction:
     layer_ids: tuple[int, ...]
     device: str = "auto"
     precision: str = "auto"
-    batch_tokens: int = 8192
+    batch_tokens: int = BATCH_TOKENS
     vllm: Any = None  # VLLMBackendOptions with the servers' URLs (an embedded server's is filled in by `serving`)
 
 
@@ -250,7 +252,7 @@ def for_partition(extraction: OnlineExtraction, meta: dict[str, Any]) -> OnlineE
     sample plus the one generated token."""
     vllm = extraction.vllm
     if vllm is not None:
-        vllm = replace(vllm, max_model_len=int(meta["max_seq_len"]) + 1)
+        vllm = replace(vllm, max_model_len=context_for(int(meta["max_seq_len"])))
     return replace(extraction, layer_ids=tuple(meta["layer_ids"]), vllm=vllm)
 
 

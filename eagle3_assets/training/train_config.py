@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 
 INITS = ("token_copy", "speculators")
 LOSS_ON = ("assistant", "all")
@@ -17,7 +18,7 @@ class TrainConfig:
     epochs: int = 10
     lr: float = 1e-3  # speculators' default for AdamW
     tokens_per_batch: int = 4096  # packed tokens per step (speculators' --total-seq-len)
-    ttt_steps: int = 3
+    ttt_steps: int = SPECULATIVE_TOKENS
     ttt_step_loss_decay: float = 1.0
     # where the training loss is taken: "assistant" (the answers' tokens, the hidden states' loss mask) or "all"
     # (prompts too: the target is the verifier's own distribution everywhere; validation stays on the answers)
@@ -51,8 +52,8 @@ class TrainConfig:
     # training processes (torchrun ranks, DDP; gloo on CPU). tokens_per_batch stays the GLOBAL batch: each rank packs
     # tokens_per_batch // procs, so N processes take the same optimizer steps as one.
     procs: int = 1
-    # Where the hidden states come from (training/online.py): "stored" partition files, "online" (fetched from the
-    # extraction side while training, nothing stored) or "hybrid" (stored files where present, the rest fetched).
+    # Where the hidden states come from (training/online_states.py): "stored" partition files, "online" (fetched from
+    # the extraction side while training, nothing stored) or "hybrid" (stored files where present, the rest fetched).
     hidden_states_source: str = "stored"
     online_backend: str = "hf"  # "hf" (the verifier in the loader's worker) or "vllm" (extraction servers)
     online_urls: tuple[str, ...] = ()  # vllm: the extraction servers; empty: an embedded CPU vLLM for the run

@@ -36,6 +36,9 @@ from eagle3_assets.hidden_states.extract import TOKEN_FREQ_FILE
 from eagle3_assets.speculators_adapter import build_vocab_mappings
 
 MAPPING_FILE = "vocab_mapping.safetensors"
+DRAFT_VOCAB_SIZE = 32000  # speculators' default draft vocabulary (capped at the verifier's)
+# the real-model recipe's (SmolLM2's 49k tokens): the demo-real run, the ablation and the recipe benchmarks
+RECIPE_DRAFT_VOCAB_SIZE = 8192
 LEGACY_FILES = ("d2t.npy", "t2d.npy")  # two separate files of earlier versions (could disagree): replaced
 FREQ_FILE = "token_freq.pt"
 SUMMARY_FILE = "vocab.json"
@@ -182,7 +185,7 @@ def read_vocab_mapping(layout: DataLayout) -> LoadedVocabMapping | None:
 def build_vocab_mapping(
     layout: DataLayout,
     partition_keys: Sequence[str],
-    draft_vocab_size: int = 32000,
+    draft_vocab_size: int = DRAFT_VOCAB_SIZE,
     *,
     target_vocab_size: int,
 ) -> VocabResult:

@@ -57,6 +57,53 @@ def _files_with(root: Path, needles: list[bytes]) -> list[str]:
     return hits
 
 
+def _run_stage(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    name: str,
+    partition: str | None = None,
+    raise_on_error: bool = True,
+) -> dg.ExecuteInJobResult:
+    """One asset (one partition of it) the way the demo materializes it, with this test's small config."""
+    from eagle3_assets.operations.demo import materialize_asset
+
+    config = {"ops": {name: {"config": ASSET_CONFIG[name]}}} if name in ASSET_CONFIG else None
+    return materialize_asset(defs, instance, name, partition, config, raise_on_error)
+
+
+def _materialize_pipeline(defs: dg.Definitions, instance: dg.DagsterInstance) -> dict[str, dict]:
+    """Every stage in order, every good partition; returns each materialization's metadata by "name partition"."""
+    graph = defs.resolve_asset_graph()
+    # the opt-in regeneration_ablation is not one of the pipeline's stages
+    order = [k.to_user_string() for k in graph.toposorted_asset_keys if k.to_user_string() != "regeneration_ablation"]
+    assert order == [
+        "raw_prompts",
+        "synthetic_responses",
+        "hidden_states",
+        "vocab_mapping",
+        "draft_model",
+        "draft_evaluation",
+    ]
+    materialized: dict[str, dict] = {}
+    for name in order:
+        partitions = GOOD_PARTITIONS if graph.get(dg.AssetKey(name)).partitions_def else [None]
+        for partition in partitions:
+            result = _run_stage(defs, instance, name, partition)
+            assert result.success, (name, partition)
+            materialized[f"{name} {partition}"] = result.asset_materializations_for_node(name)[0].metadata
+    return materialized
+
+
+def _instance_records(instance: dg.DagsterInstance) -> tuple[list[str], list[str], list[str]]:
+    """(events, runs, decoded) as text: every run's event log, every run record, and the stored run configs and job
+    snapshots decoded, since they are stored compressed, out of reach of a byte search."""
+    events = [str(record) for run_ in instance.get_runs() for record in instance.all_logs(run_.run_id)]
+    runs = [str(run_) for run_ in instance.get_runs()]
+    decoded = [json.dumps(run_.run_config) for run_ in instance.get_runs()]
+    decoded += [serialize_value(instance.get_job_snapshot(r.job_snapshot_id)) for r in instance.get_runs()]
+    return events, runs, decoded
+
+
 @pytest.mark.slow
 def test_api_key_appears_in_no_file_event_or_log(
     tmp_path: Path,
@@ -65,7 +112,6 @@ def test_api_key_appears_in_no_file_event_or_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from eagle3_assets.definitions import build_definitions
-    from eagle3_assets.operations.demo import materialize_asset
 
     dagster_home = tmp_path / "dagster_home"
     dagster_home.mkdir()
@@ -83,48 +129,20 @@ def test_api_key_appears_in_no_file_event_or_log(
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         defs = build_definitions()  # resources from the environment, as `dagster dev` and the demo load them
-        graph = defs.resolve_asset_graph()
         with dg.DagsterInstance.get() as instance:
             assert Path(instance.root_directory) == dagster_home  # a real on-disk instance, like `make dev`
-
-            def run(name: str, partition: str | None = None, raise_on_error: bool = True) -> dg.ExecuteInJobResult:
-                config = {"ops": {name: {"config": ASSET_CONFIG[name]}}} if name in ASSET_CONFIG else None
-                return materialize_asset(defs, instance, name, partition, config, raise_on_error)
-
-            # the opt-in regeneration_ablation is not one of the pipeline's stages
-            order = [
-                k.to_user_string() for k in graph.toposorted_asset_keys if k.to_user_string() != "regeneration_ablation"
-            ]
-            assert order == [
-                "raw_prompts",
-                "synthetic_responses",
-                "hidden_states",
-                "vocab_mapping",
-                "draft_model",
-                "draft_evaluation",
-            ]
-            materialized: dict[str, dict] = {}
-            for name in order:
-                partitions = GOOD_PARTITIONS if graph.get(dg.AssetKey(name)).partitions_def else [None]
-                for partition in partitions:
-                    result = run(name, partition)
-                    assert result.success, (name, partition)
-                    materialized[f"{name} {partition}"] = result.asset_materializations_for_node(name)[0].metadata
+            materialized = _materialize_pipeline(defs, instance)
             assert materialized["synthetic_responses 00000"]["ok"].value == 4
             assert (layout.draft_model_dir / "final" / "model.safetensors").exists()
             assert (layout.evaluation_dir / "report.json").exists()
 
             monkeypatch.setenv("EAGLE3_API_KEY", WRONG)  # read when the run starts: the server refuses it
-            refused = run("synthetic_responses", REFUSED_PARTITION, raise_on_error=False)
+            refused = _run_stage(defs, instance, "synthetic_responses", REFUSED_PARTITION, raise_on_error=False)
             assert not refused.success
             failure = refused.get_step_failure_events()[0].event_specific_data.error
             assert failure is not None and "API key" in failure.to_string()
 
-            events = [str(record) for run_ in instance.get_runs() for record in instance.all_logs(run_.run_id)]
-            runs = [str(run_) for run_ in instance.get_runs()]
-            # decoded: the run configs and job snapshots are stored compressed, out of reach of a byte search
-            decoded = [json.dumps(run_.run_config) for run_ in instance.get_runs()]
-            decoded += [serialize_value(instance.get_job_snapshot(r.job_snapshot_id)) for r in instance.get_runs()]
+            events, runs, decoded = _instance_records(instance)
     history = json.loads((layout.draft_model_dir / "training_history.json").read_text())
     assert history["config"]["online_urls"] == ["http://***@127.0.0.1:9/v1"]  # which server, not its password
     stored_anywhere = [text for _where, text in sqlite_texts(dagster_home)]

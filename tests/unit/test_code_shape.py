@@ -1,4 +1,7 @@
-"""The package stays readable: no module over 500 lines, no function over 80 lines, unless a comment says why.
+"""The code stays readable: no module over 500 lines, no function over 80 lines, unless a comment says why.
+
+The rule covers the package, the tests and the benchmarks alike: a test or a benchmark that nobody can read is as
+hard to trust as package code.
 
 A function is allowed to be longer when the line above its ``def`` (or its decorators) is a comment starting with
 ``# long:`` that says why; a module when one of its first lines is such a comment.
@@ -9,7 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "eagle3_assets"
+REPO = Path(__file__).resolve().parents[2]
+ROOTS: tuple[str, ...] = ("eagle3_assets", "tests", "benchmarks")  # folders under REPO
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
@@ -21,10 +25,10 @@ def _excused(lines: list[str], lineno: int) -> bool:
 
 def _offenders() -> list[str]:
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(path for root in ROOTS for path in (REPO / root).rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         lines = text.splitlines()
-        name = path.relative_to(PACKAGE.parent)
+        name = path.relative_to(REPO)
         if len(lines) > MAX_MODULE_LINES and not any(line.startswith("# long:") for line in lines[:10]):
             found.append(f"{name}: {len(lines)} lines")
         for node in ast.walk(ast.parse(text)):
@@ -44,5 +48,18 @@ def test_the_shape_check_sees_a_long_function(tmp_path: Path, monkeypatch) -> No
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
     (tmp_path / "eagle3_assets").mkdir()
     (tmp_path / "eagle3_assets" / "m.py").write_text(f"def f():\n{body}\n\n\n# long: a table\ndef g():\n{body}\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "eagle3_assets")
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
     assert [o.split(" ")[1] for o in _offenders()] == ["f():"]
+
+
+def test_the_shape_check_covers_the_tests_and_the_benchmarks(tmp_path: Path, monkeypatch) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_m.py").write_text(f"def test_h():\n{body}\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "b.py").write_text("".join(f"x{i} = {i}\n" for i in range(MAX_MODULE_LINES + 1)))
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    assert _offenders() == [
+        f"benchmarks/b.py: {MAX_MODULE_LINES + 1} lines",
+        f"tests/unit/test_m.py:1 test_h(): {MAX_FUNCTION_LINES + 2} lines",
+    ]

@@ -84,3 +84,78 @@ def test_the_check_sees_a_default_written_twice(tmp_path: Path) -> None:
         "class Run:\n    a: int = setting(Core.a, description='')\n    b: int = setting(2, description='')\n"
     )
     assert twice_declared(_classes(tmp_path), [("Run", "Core", {})]) == ["Run.b and Core.b"]
+
+
+# ------------------------------------------------------------------ command lines copying a core default
+
+COMMAND_LINES = ("eagle3_assets/cli", "eagle3_assets/operations", "benchmarks")
+
+
+def _constants(root: Path) -> dict[str, object]:
+    """Module-level ``NAME = literal`` of the package (the one declaration of a shared default)."""
+    found: dict[str, object] = {}
+    for path in sorted(root.rglob("*.py")):
+        for stmt in ast.parse(path.read_text(encoding="utf-8")).body:
+            named = isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            if named and _is_literal(stmt.value):  # type: ignore[union-attr]
+                found.setdefault(stmt.targets[0].id, ast.literal_eval(stmt.value))  # type: ignore[union-attr]
+    return found
+
+
+def core_defaults(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """field name -> "Class=value" of every dataclass-style field whose default is a literal or a named constant."""
+    constants = _constants(root)
+    out: dict[str, set[str]] = {}
+    for name, cls in _classes(root).items():
+        for field_name, expr in _defaults(cls).items():
+            if _is_literal(expr):
+                value = ast.literal_eval(expr)
+            elif isinstance(expr, ast.Name) and expr.id in constants:
+                value = constants[expr.id]
+            else:
+                continue
+            out.setdefault(field_name, set()).add(f"{name}={value!r}")
+    return out
+
+
+def copied_defaults(paths: list[Path], defaults: dict[str, set[str]]) -> list[str]:
+    """``add_argument("--name", default=<literal>)`` whose literal is the default of a core field of that name
+    (None, "not given", is no copy; a ``# own default: why`` comment on the call excuses a deliberate one)."""
+    found = []
+    for path in paths:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args):
+                continue
+            flag = node.args[0]
+            default = next((k.value for k in node.keywords if k.arg == "default"), None)
+            if not (isinstance(flag, ast.Constant) and isinstance(flag.value, str) and _is_literal(default)):
+                continue
+            call_lines = lines[node.lineno - 1 : node.end_lineno]
+            if ast.literal_eval(default) is None or any(
+                "# own default:" in line for line in [lines[node.lineno - 2], *call_lines]
+            ):  # type: ignore[arg-type]
+                continue
+            dest = flag.value.lstrip("-").replace("-", "_")
+            value = ast.literal_eval(default)  # type: ignore[arg-type]
+            same = sorted(d for d in defaults.get(dest, ()) if d.endswith(f"={value!r}"))
+            if same:
+                found.append(f"{path.name}: {flag.value} default {value!r} copies {same[0]}")
+    return found
+
+
+def test_no_command_line_copies_a_core_default() -> None:
+    root = PACKAGE.parent
+    paths = [p for place in COMMAND_LINES for p in sorted((root / place).rglob("*.py"))]
+    assert len(paths) > 10
+    assert copied_defaults(paths, core_defaults()) == []
+
+
+def test_the_check_sees_a_copied_command_line_default(tmp_path: Path) -> None:
+    (tmp_path / "core.py").write_text("K = 3\n\n\nclass Online:\n    k: int = K\n    prompts: int = 32\n")
+    cli = tmp_path / "cli.py"
+    cli.write_text(
+        "p.add_argument('--k', type=int, default=3)\np.add_argument('--prompts', default=Online.prompts)\n"
+        "p.add_argument('--epochs', type=int, default=3)\n"
+    )
+    assert copied_defaults([cli], core_defaults(tmp_path)) == ["cli.py: --k default 3 copies Online=3"]

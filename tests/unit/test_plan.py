@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib.util
 import json
@@ -118,21 +117,6 @@ def test_the_demo_output_and_the_learning_curve_are_read() -> None:
     assert recipe.tokens_per_s == pytest.approx(2_620_106 / 3145.1)
     with pytest.raises(planning.PlanError, match="no partition 00009"):
         planning.measured_rate(run, "generation", ["00009"])
-
-
-def test_the_demo_real_preset_uses_the_demo_s_server_context() -> None:
-    """The plan's `make demo-real` server context is the one `eagle3 demo --real` starts vLLM with."""
-    from eagle3_assets.cli.plan_command import DEMO_REAL_MAX_MODEL_LEN
-
-    tree = ast.parse((ROOT / "eagle3_assets" / "operations" / "demo.py").read_text())
-    values = [
-        node.values[node.keys.index(key)].value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Dict)
-        for key in node.keys
-        if isinstance(key, ast.Constant) and key.value == "max_model_len"
-    ]
-    assert values == [DEMO_REAL_MAX_MODEL_LEN]
 
 
 needs_real_wheels = pytest.mark.skipif(
