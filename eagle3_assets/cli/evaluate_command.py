@@ -33,6 +33,28 @@ def _partition_key(value: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# --NAME sets the OnlineConfig field NAME (its default and type are the field's)
+ONLINE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("prompts", "held-out prompts sent online (default %(default)s)"),
+    ("humaneval_prompts", "HumanEval problems sent online (0: all 164; default %(default)s)"),
+    ("max_tokens", "max_tokens per online request (default %(default)s)"),
+    ("concurrency", "requests in flight per server for acceptance (default %(default)s)"),
+    (
+        "speed_prompts",
+        "batch-1 speed-up on each set's first N prompts, each sent to the plain verifier and to the draft one request "
+        "at a time, alternating which goes first: the median ratio, its 95%% bootstrap interval and whether the draft "
+        "pays; 0: none (default %(default)s)",
+    ),
+    (
+        "request_timeout_s",
+        "each online request, its whole reply, within this many seconds; a request past it is counted as failed "
+        "(default %(default)g)",
+    ),
+)
+# --NAME overrides the EvaluationServersResource setting NAME (EAGLE3_EVAL_*); empty: the server is started here
+SERVER_FLAGS = ("plain_url", "draft_url", "served_model_name")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle3 evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--draft", required=True, type=Path, help="speculators EAGLE-3 draft folder (config.json)")
@@ -46,46 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--k", type=int, default=OnlineConfig.k, help="num_speculative_tokens (default %(default)s)")
     p.add_argument(
-        "--prompts", type=int, default=OnlineConfig.prompts, help="held-out prompts sent online (default %(default)s)"
-    )
-    p.add_argument(
         "--prompt-sets",
         default=None,
         help=f"prompt sets, comma-separated ({', '.join(PROMPT_SETS)}; default: EAGLE3_EVAL_PROMPT_SETS)",
     )
-    p.add_argument(
-        "--humaneval-prompts",
-        type=int,
-        default=OnlineConfig.humaneval_prompts,
-        help="HumanEval problems sent online (0: all 164; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=OnlineConfig.max_tokens,
-        help="max_tokens per online request (default %(default)s)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=int,
-        default=OnlineConfig.concurrency,
-        help="requests in flight per server for acceptance (default %(default)s)",
-    )
-    p.add_argument(
-        "--speed-prompts",
-        type=int,
-        default=OnlineConfig.speed_prompts,
-        help="batch-1 speed-up on each set's first N prompts, each sent to the plain verifier and to the draft one "
-        "request at a time, alternating which goes first: the median ratio, its 95%% bootstrap interval and whether "
-        f"the draft pays; 0: none (default {OnlineConfig.speed_prompts})",
-    )
-    p.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=OnlineConfig.request_timeout_s,
-        help="each online request, its whole reply, within this many seconds; a request past it is counted as failed "
-        f"(default {OnlineConfig.request_timeout_s:g})",
-    )
+    for name, help_text in ONLINE_FLAGS:
+        default = getattr(OnlineConfig, name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=help_text)
     p.add_argument(
         "--reasoning-parser",
         default=None,
@@ -145,18 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         offline_max_samples=args.max_samples or None,
         device=env_value("EAGLE3_DEVICE"),
         online_config=OnlineConfig(
-            prompts=args.prompts,
-            humaneval_prompts=args.humaneval_prompts,
-            max_tokens=args.max_tokens,
-            concurrency=args.concurrency,
-            speed_prompts=args.speed_prompts,
-            request_timeout_s=args.request_timeout_s,
+            **{name: getattr(args, name) for name, _help in ONLINE_FLAGS},
+            **{name: getattr(args, name) or getattr(servers, name) or None for name in SERVER_FLAGS},
             prompt_sets=tuple(prompt_sets),
             reasoning_parser=parser,
             python=args.vllm_python,
-            plain_url=args.plain_url or servers.plain_url or None,
-            draft_url=args.draft_url or servers.draft_url or None,
-            served_model_name=args.served_model_name or servers.served_model_name or None,
             api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),

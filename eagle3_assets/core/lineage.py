@@ -290,14 +290,9 @@ def training_inputs_digest(
     return digest([parts, vocab, verifier])
 
 
-def training_fingerprint(
-    base: str,
-    layout: DataLayout,
-    keys: Iterable[str],
-    verifier_path: Path,
-    dirs: Mapping[str, Path] | None = None,
-    vocab_digest: str | None = None,
-) -> str:
+def training_fingerprint(base: str, *inputs: Any, **named_inputs: Any) -> str:
     """A training run's checkpoint fingerprint: ``base`` (the config and the partition keys) plus the content
-    hash of its inputs, so a checkpoint trained on other data or another verifier is never resumed."""
-    return digest([base, training_inputs_digest(layout, keys, verifier_path, dirs, vocab_digest)], 16)
+    hash of its inputs (``inputs``, ``named_inputs``: :func:`training_inputs_digest`'s arguments, passed on as they
+    came: the fingerprint is that digest behind the base), so a checkpoint trained on other data or another
+    verifier is never resumed."""
+    return digest([base, training_inputs_digest(*inputs, **named_inputs)], 16)

@@ -88,7 +88,7 @@ def check_base_urls(key: str, value: str | Sequence[str]) -> list[str]:
     """OpenAI-compatible base URL(s) (``http(s)://host:port/v1``): a comma-separated string or a sequence.
 
     A URL may carry credentials (``http://user:pw@host/v1``: sent as an Authorization header, see
-    ``generation.config.split_credentials``); an error never repeats them. A comma splits the list only before the
+    ``net.credentials.split_credentials``); an error never repeats them. A comma splits the list only before the
     next URL, so a password may hold one (``http://user:p,w@host/v1``).
     """
     parts = _URL_LIST_COMMA.split(value) if isinstance(value, str) else list(value)

@@ -36,16 +36,20 @@ def _name_the_key(cls: type, value: Any, handler: Any, info: ValidationInfo) -> 
     return settings.validate_field(cls, value, handler, str(info.field_name))
 
 
-class SettingsResource(dg.ConfigurableResource):
-    """A resource whose fields are declared settings: bad values name their key, env values checked at launch."""
+class _NamesBadValues:
+    """Pydantic-based settings classes: a bad field value raises ``ConfigError("KEY=value: what it must be")``."""
 
     _validate = field_validator("*", mode="wrap")(classmethod(_name_the_key))
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
-        except ValidationError as error:  # a bad value: ConfigError("KEY=value: what it must be")
+        except ValidationError as error:
             raise settings.as_config_error(error) from None
+
+
+class SettingsResource(_NamesBadValues, dg.ConfigurableResource):
+    """A resource whose fields are declared settings: bad values name their key, env values checked at launch."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
@@ -70,16 +74,8 @@ class SettingsResource(dg.ConfigurableResource):
         settings.check_environ(type(self))
 
 
-class SettingsConfig(dg.Config):
+class SettingsConfig(_NamesBadValues, dg.Config):
     """An asset's run config whose fields are declared settings (same error shape as the resources)."""
-
-    _validate = field_validator("*", mode="wrap")(classmethod(_name_the_key))
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as error:
-            raise settings.as_config_error(error) from None
 
 
 def check_writable_dir(root: Path, key: str, value: str) -> None:

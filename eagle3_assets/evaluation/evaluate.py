@@ -250,7 +250,12 @@ def run_evaluation(
 
     stats = []
     if options.offline:
-        if partition is None or not layout.hidden_states_index_path(partition).exists():
+        if partition is None:
+            notes.append(
+                f"offline skipped: no hidden_states partition under {layout.root} whose checks passed (the one "
+                "hold-out rule, lineage.held_out_partition); name one with --partition (EvaluationOptions.partition)"
+            )
+        elif not layout.hidden_states_index_path(partition).exists():
             notes.append(f"offline skipped: no hidden_states partition {partition!r} under {layout.root}")
         else:
             stats += _offline(layout, partition, models, verifier_path, options, say, notes)

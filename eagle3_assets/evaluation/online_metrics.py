@@ -19,7 +19,7 @@ on it, and the report gives the median ratio with a 95% bootstrap interval (``re
 the draft *pays* only where the interval's lower bound is above 1.0.
 
 Each request is bounded in time (the whole reply within ``request_timeout_s``: a trickled body stays under any
-per-read timeout) and in size (``generation.replies.reply_limit`` of ``max_tokens``). A request that fails is
+per-read timeout) and in size (``net.reply_limits.reply_limit`` of ``max_tokens``). A request that fails is
 counted as failed and in no acceptance, speed or mismatch; a batch whose every request on one side failed stops the
 evaluation naming the server and the error. A prompt whose plain or draft speed request failed is left out of the
 ratios and counted; the stricter rule holds: any failed speed request withholds that draft's speed-up (a failed plain

@@ -97,7 +97,7 @@ def deadline_failure(deadline_s: float, received: int | None) -> RequestFailed:
 
 
 def too_large_failure(limit: int, declared: int | None = None) -> RequestFailed:
-    """A reply body beyond its size limit (:func:`eagle3_assets.generation.replies.reply_limit`): a runaway server
+    """A reply body beyond its size limit (:func:`eagle3_assets.net.reply_limits.reply_limit`): a runaway server
     or a lying proxy. The server answered, so it is retried like a malformed reply and never benches the endpoint.
 
     ``declared``: the Content-Length that announced it; else the body passed the limit while arriving (how far

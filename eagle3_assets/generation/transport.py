@@ -14,7 +14,7 @@ Both only use their libraries' public APIs, send the same request and classify f
 
 Both bound a reply in time and in size, streamed or not: the whole request (connection, request, every byte of the
 reply) must end within ``deadline_s`` (a server or proxy that answers 200 and then trickles the body stays under any
-per-read timeout), and a body beyond its limit (:func:`eagle3_assets.generation.replies.reply_limit`, from
+per-read timeout), and a body beyond its limit (:func:`eagle3_assets.net.reply_limits.reply_limit`, from
 ``max_tokens``) fails as soon as it passes it, so a body that never ends cannot exhaust the run's memory. That holds
 for every body, an error page's and GET /models' too (a fixed cap), whatever its status; an error status whose body
 runs away is still classified by its status.
@@ -62,6 +62,23 @@ WARM_BODY_BYTES = 256 * 2**10
 BODY_CHECK_S = 0.25
 # keep-alive connections beyond the endpoint's cap: a slot freed and refilled at once never waits for a socket
 EXTRA_CONNECTIONS = 8
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One base URL's connection settings, as :func:`make_transports` hands them to either transport."""
+
+    url: str
+    authorization: str | None  # the Authorization header's value, None: no header
+    connect_s: float
+    read_s: float  # the socket read timeout (see make_transports)
+    max_connections: int  # the endpoint's cap on requests in flight
+    reply_limit: ReplyLimit
+
+    @property
+    def pool_size(self) -> int:
+        """Keep-alive connections to keep: the cap plus :data:`EXTRA_CONNECTIONS`."""
+        return self.max_connections + EXTRA_CONNECTIONS
 
 
 class Transport(Protocol):
@@ -150,37 +167,26 @@ async def _read_body(response: aiohttp.ClientResponse, limit: int) -> bytes:
 class AiohttpTransport:
     """The default transport: POST /chat/completions over one aiohttp session, the body read in one piece."""
 
-    def __init__(
-        self,
-        url: str,
-        authorization: str | None,
-        *,
-        connect_s: float,
-        read_s: float,
-        max_connections: int,
-        reply_limit: ReplyLimit,
-    ) -> None:
-        self.url = url
-        self._reply_limit = reply_limit
-        self._chat_url = f"{url}{CHAT_PATH}"
-        self._models_url = f"{url}/models"
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.url = endpoint.url
+        self._endpoint = endpoint
+        self._chat_url = f"{endpoint.url}{CHAT_PATH}"
+        self._models_url = f"{endpoint.url}/models"
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if authorization:
-            self._headers["Authorization"] = authorization
-        self._connect_s = connect_s
-        self._read_s = read_s
-        self._limit = max_connections + EXTRA_CONNECTIONS
+        if endpoint.authorization:
+            self._headers["Authorization"] = endpoint.authorization
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # lazily: the session binds to the running event loop
+            endpoint = self._endpoint
             self._session = aiohttp_session(
-                limit=self._limit, connect_s=self._connect_s, read_s=self._read_s, headers=self._headers
+                limit=endpoint.pool_size, connect_s=endpoint.connect_s, read_s=endpoint.read_s, headers=self._headers
             )
         return self._session
 
     async def complete(self, body: bytes, *, stream: bool, deadline_s: float) -> Completion:
-        limit = self._reply_limit.bytes_for(body)
+        limit = self._endpoint.reply_limit.bytes_for(body)
         deadline = asyncio.timeout(deadline_s)
         response: aiohttp.ClientResponse | None = None
         try:
@@ -254,30 +260,21 @@ class OpenAITransport:
     it raises, and a model list or a warm-up GET whole, where no code of ours could bound it afterwards.
     """
 
-    def __init__(
-        self,
-        url: str,
-        authorization: str | None,
-        *,
-        connect_s: float,
-        read_s: float,
-        max_connections: int,
-        reply_limit: ReplyLimit,
-    ) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         # lazy: loads httpx2 (heavy), which only this path needs
         import httpx2
 
         # lazy: loads openai (heavy), which only this path needs
         import openai
 
-        self.url = url
-        self._reply_limit = reply_limit
+        self.url = endpoint.url
+        self._reply_limit = endpoint.reply_limit
         self._httpx = httpx2
-        timeout = httpx2.Timeout(connect=connect_s, read=read_s, write=60.0, pool=None)
-        limit = max_connections + EXTRA_CONNECTIONS
-        limits = httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)
+        timeout = httpx2.Timeout(connect=endpoint.connect_s, read=endpoint.read_s, write=60.0, pool=None)
+        limits = httpx2.Limits(max_connections=endpoint.pool_size, max_keepalive_connections=endpoint.pool_size)
+        authorization = endpoint.authorization
         self.client = openai.AsyncOpenAI(
-            base_url=url,
+            base_url=endpoint.url,
             api_key="EMPTY",  # the SDK insists on a value; the real header (if any) replaces its bearer below
             default_headers={"Authorization": authorization} if authorization else None,
             max_retries=0,  # the engine retries; the SDK's own retries would stack on top
@@ -380,12 +377,14 @@ def make_transports(config: GenerationConfig) -> dict[str, Transport]:
     limit = reply_limit(config.max_tokens, config.stream, config.extra_sampling)
     return {
         url: kind(
-            url,
-            config.authorization(url),
-            connect_s=config.connect_timeout_s,
-            read_s=read_s,
-            max_connections=config.endpoint_cap,
-            reply_limit=limit,
+            Endpoint(
+                url,
+                config.authorization(url),
+                connect_s=config.connect_timeout_s,
+                read_s=read_s,
+                max_connections=config.endpoint_cap,
+                reply_limit=limit,
+            )
         )
         for url in config.base_urls
     }

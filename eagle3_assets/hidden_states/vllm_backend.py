@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
+from eagle3_assets.core.storage import pid_alive
 from eagle3_assets.core.verifier import verifier_shape
 from eagle3_assets.hidden_states.connector_files import (
     ExtractionError,
@@ -99,13 +100,7 @@ def process_gone(pid: int) -> bool:
     its parent has not reaped yet. Without ``/proc``, ``kill(pid, 0)`` (a zombie then still looks alive)."""
     stat = Path(f"/proc/{pid}/stat")
     if not stat.parent.parent.is_dir():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return not pid_alive(pid)
     try:
         return stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):

@@ -43,10 +43,10 @@ def stop_process_group(
             group_alive = False
         except PermissionError:
             pass  # not ours (a recycled pid): only the tree we saw is signalled
-        for member in _alive(tree):
+        for member in alive(tree):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(member, sig)
-        if not group_alive and not _alive(tree):
+        if not group_alive and not alive(tree):
             break
         if _wait_gone(pgid, pid, tree, min(wait_s, deadline - time.monotonic()), process):
             break
@@ -65,7 +65,7 @@ def _wait_gone(pgid: int, pid: int, tree: set[int], timeout_s: float, process: s
         else:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, os.WNOHANG)
-        if _group_gone(pgid) and not _alive(tree):
+        if _group_gone(pgid) and not alive(tree):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -109,7 +109,7 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pids: set[int]) -> set[int]:
+def alive(pids: set[int]) -> set[int]:
     """Those of ``pids`` still running (a zombie has exited: it holds nothing)."""
     if not pids:
         return set()

@@ -15,16 +15,7 @@ from eagle3_assets.hidden_states.storage_format import (
     FP8,
     STORAGE_DTYPES,
 )
-from eagle3_assets.planning.inputs import (
-    NO_RATE,
-    PLANNED_DTYPES,
-    Completion,
-    ModelShape,
-    PlanError,
-    Prompts,
-    Rate,
-    sample_file_bytes,
-)
+from eagle3_assets.planning import inputs
 
 # storage.ensure_free_space's margin: the plan advises against a store the extraction itself would refuse
 DISK_HEADROOM: float = inspect.signature(ensure_free_space).parameters["headroom"].default
@@ -54,15 +45,15 @@ class PartitionPlan:
 class StagePlan:
     stage: str
     tokens: int
-    rate: Rate
+    rate: inputs.Rate
     seconds: float | None
 
 
 @dataclass
 class Plan:
-    model: ModelShape
-    prompts: Prompts
-    completion: Completion
+    model: inputs.ModelShape
+    prompts: inputs.Prompts
+    completion: inputs.Completion
     partition_size: int
     max_tokens: int
     max_seq_len: int
@@ -103,8 +94,8 @@ class Plan:
             "prompt_tokens": self.total("prompt_tokens"),
             "completion_tokens": self.total("completion_tokens"),
             "sequence_tokens": self.total("sequence_tokens"),
-            "sample_bytes": {d: self.bytes(d) for d in PLANNED_DTYPES},
-            "disk_bytes": {d: self.disk(d) for d in PLANNED_DTYPES},
+            "sample_bytes": {d: self.bytes(d) for d in inputs.PLANNED_DTYPES},
+            "disk_bytes": {d: self.disk(d) for d in inputs.PLANNED_DTYPES},
             "seconds": sum(s.seconds or 0.0 for s in self.stages),
         }
         out["held_out"] = self.held_out
@@ -112,9 +103,9 @@ class Plan:
 
 
 def build_plan(
-    model: ModelShape,
-    prompts: Prompts,
-    completion: Completion,
+    model: inputs.ModelShape,
+    prompts: inputs.Prompts,
+    completion: inputs.Completion,
     *,
     partition_size: int,
     max_tokens: int,
@@ -122,20 +113,20 @@ def build_plan(
     epochs: int,
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
-    generation: Rate = NO_RATE,
-    extraction: Rate = NO_RATE,
-    training: Rate = NO_RATE,
+    generation: inputs.Rate = inputs.NO_RATE,
+    extraction: inputs.Rate = inputs.NO_RATE,
+    training: inputs.Rate = inputs.NO_RATE,
     free: int | None = None,
     free_source: str = "",
 ) -> Plan:
     """The plan of a run (see the module's docstring for every formula)."""
     if partition_size <= 0 or max_tokens <= 0 or max_seq_len <= 1 or epochs <= 0:
-        raise PlanError("partition size, max tokens, epochs must be positive and max_seq_len above 1")
+        raise inputs.PlanError("partition size, max tokens, epochs must be positive and max_seq_len above 1")
     if dtype not in STORAGE_DTYPES:
-        raise PlanError(f"dtype={dtype!r}: must be one of {sorted(STORAGE_DTYPES)}")
+        raise inputs.PlanError(f"dtype={dtype!r}: must be one of {sorted(STORAGE_DTYPES)}")
     if not prompts.samples:
-        raise PlanError("the dataset has no prompt to plan")
-    dtypes = tuple(dict.fromkeys((dtype, *PLANNED_DTYPES)))
+        raise inputs.PlanError("the dataset has no prompt to plan")
+    dtypes = tuple(dict.fromkeys((dtype, *inputs.PLANNED_DTYPES)))
     mean_completion = min(completion.mean_tokens, float(max_tokens))
     partitions = []
     for index, start in enumerate(range(0, prompts.samples, partition_size)):
@@ -158,7 +149,7 @@ def build_plan(
             sequences.append(sequence)
         for sequence in sequences:
             for d in dtypes:
-                sample_bytes[d] += sample_file_bytes(sequence, model.n_states, model.hidden_size, d)
+                sample_bytes[d] += inputs.sample_file_bytes(sequence, model.n_states, model.hidden_size, d)
         ok = len(sequences)
         disk = {d: estimate_bytes(sequence_sum, ok, model.n_states, model.hidden_size, d) for d in dtypes}
         partitions.append(
@@ -195,7 +186,7 @@ def build_plan(
 def _advice(plan: Plan) -> str:
     if plan.free_bytes is None:
         return "free disk unknown: give the data directory or state the free bytes"
-    fits = {d: plan.disk(d) * DISK_HEADROOM <= plan.free_bytes for d in (plan.dtype, *PLANNED_DTYPES)}
+    fits = {d: plan.disk(d) * DISK_HEADROOM <= plan.free_bytes for d in (plan.dtype, *inputs.PLANNED_DTYPES)}
     if fits[plan.dtype]:
         return f"store {plan.dtype}: the states fit the free disk"
     if fits[FP8]:

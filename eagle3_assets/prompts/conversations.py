@@ -290,16 +290,10 @@ class DatasetScan:
         self.cut = self._array.cut if self._array is not None else None
 
 
-def load_prompts(
-    path: str | Path,
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-    truncated: str = "error",
-    turns_kept: str = "all",
-    limit: int = 0,
-) -> LoadedPrompts:
-    """Every outcome of :class:`DatasetScan` in lists (memory grows with the dataset: for the raw_prompts asset,
-    ``prompt_table.build_prompt_table`` streams instead)."""
-    scan = DatasetScan(path, max_prompt_chars, truncated, turns_kept, limit)
+def load_prompts(path: str | Path, **options: Any) -> LoadedPrompts:
+    """Every outcome of ``DatasetScan(path, **options)`` in lists (memory grows with the dataset: for the raw_prompts
+    asset, ``prompt_table.build_prompt_table`` streams instead). ``options``: :class:`DatasetScan`'s, by name."""
+    scan = DatasetScan(path, **options)
     result = LoadedPrompts()
     for outcome in scan:
         if isinstance(outcome, Prompt):

@@ -23,7 +23,7 @@ from typing import Any
 from eagle3_assets.core import storage
 from eagle3_assets.core.partition_keys import partition_of
 from eagle3_assets.prompts import prompt_files
-from eagle3_assets.prompts.conversations import DEFAULT_MAX_PROMPT_CHARS, DatasetScan, Duplicate, Prompt, Reject
+from eagle3_assets.prompts.conversations import DatasetScan, Duplicate, Prompt, Reject
 from eagle3_assets.prompts.prompt_files import Cut
 
 PROMPT_TABLE_COLUMNS = (
@@ -129,10 +129,7 @@ def build_prompt_table(
     layout: Any,
     partition_size: int,
     max_reject_share: float = 0.05,
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-    truncated: str = "error",
-    turns_kept: str = "all",
-    limit: int = 0,
+    **scan_options: Any,
 ) -> PromptTableResult:
     """Stream the dataset into ``raw_prompts`` (table, rejects, manifest) under ``layout``, in bounded memory.
 
@@ -141,8 +138,9 @@ def build_prompt_table(
     length (see ``benchmarks/raw_prompts_memory.py``). Every file is written to a temporary path and renamed into
     place only once the whole dataset was read and accepted, so a refusal overwrites nothing.
 
+    ``scan_options``: :class:`DatasetScan`'s, by name (``max_prompt_chars``, ``turns_kept``, ``limit``, and
     ``truncated``: what a cut-off or malformed JSON array does, ``error`` (raise ``DatasetCutError``, nothing
-    written) or ``keep-complete`` (take the records before the cut; ``result.cut`` says where it was).
+    written) or ``keep-complete`` (take the records before the cut; ``result.cut`` says where it was)).
 
     Positions are stable across re-runs (see ``partitions.assign_positions``). A changed partition size
     would move samples between partitions that may already be generated, so it is refused while
@@ -150,7 +148,7 @@ def build_prompt_table(
     """
 
     dataset_file = prompt_files.resolve_dataset_path(dataset_path)
-    scan = DatasetScan(dataset_file, max_prompt_chars, truncated, turns_kept, limit)
+    scan = DatasetScan(dataset_file, **scan_options)
     positions = _Positions(_previous_positions(layout, partition_size))
     tally = _Tally()
     prompt_chars = array.array("q")

@@ -137,12 +137,13 @@ def test_acceptance_counts_from_a_per_request_histogram() -> None:
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[DataLayout, Path]:
     from eagle3_assets.hidden_states import HiddenStatesConfig, extract_partition
-    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses
+    from support.hidden_states_data import cached_tiny_verifier, fabricate_responses, record_checks_as_the_assets_do
 
     verifier = cached_tiny_verifier()
     layout = DataLayout.at(tmp_path_factory.mktemp("eval") / "data")
     fabricate_responses(layout, "00000", 6, min_words=15, max_words=25)
     extract_partition(layout, "00000", verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
+    record_checks_as_the_assets_do(layout, "00000")
     return layout, verifier
 
 

@@ -3,10 +3,8 @@ evaluation's own responses (vLLM's per-request ``metrics.speculative_decoding``)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,8 @@ from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig, evaluation_o
 from eagle3_assets.defs.registry import default_resources
 from eagle3_assets.defs.resources import EvaluationServersResource
 from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, measure
-from support.common import send_body, send_json, stub_http_server
+from support.chat_stub import ChatHandler, chat_completion
+from support.common import send_body, stub_http_server
 
 K = 3
 # Each response reports 4 verify steps of its own: 1 accepted 0, 1 accepted 1, 2 accepted 3 (drafts of 3 tokens).
@@ -30,35 +29,14 @@ def stub_server(speculative: dict | None) -> Iterator[tuple[str, list[dict]]]:
     seen: list[dict] = []
     metrics_reads = [0]
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
+    class Handler(ChatHandler):
         def do_GET(self) -> None:
             metrics_reads[0] += 1
             send_body(self, f"vllm:spec_decode_num_drafts_total{{}} {1000 * metrics_reads[0]}.0\n".encode())
 
-        def do_POST(self) -> None:
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        def answer(self, request: dict) -> dict:
             seen.append({"authorization": self.headers.get("Authorization"), "path": self.path, **request})
-            reply = {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 0,
-                "model": request["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "hi"},
-                        "finish_reason": "stop",
-                        "token_ids": [1, 2, 3],
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-            }
-            if speculative is not None:
-                reply["metrics"] = {"speculative_decoding": speculative}
-            send_json(self, reply)
+            return chat_completion(request["model"], "hi", [1, 2, 3], "stop", speculative)
 
     with stub_http_server(Handler) as base_url:
         yield base_url, seen

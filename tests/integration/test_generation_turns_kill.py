@@ -16,11 +16,12 @@ from pathlib import Path
 import polars as pl
 
 from eagle3_assets.core.storage import DataLayout
-from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
+from eagle3_assets.generation import GenerationConfig, generate_partition
 from eagle3_assets.generation.journal import read_journal
 from eagle3_assets.generation.turns import turns_store_path
 from fake_vllm import FakeConfig, FakeServerProcess, prompt_key
 from support.common import child_env, journal_lines, reaped, sigkill_when
+from support.safety_generation import prompts
 
 KEY = "00025"
 N, TURNS, C = 60, 4, 16
@@ -28,35 +29,17 @@ N, TURNS, C = 60, 4, 16
 CHILD = textwrap.dedent(
     """
     import sys
-    from eagle3_assets.generation import GenerationConfig, PromptToGenerate, generate_partition
+    from eagle3_assets.generation import GenerationConfig, generate_partition
     from eagle3_assets.core.storage import DataLayout
+    from support.safety_generation import prompts
 
     url, root, n, turns = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    prompts = [PromptToGenerate(f"conv-{i:03d}", [m for k in range(turns) for m in (
-        {"role": "user", "content": f"conversation {i} question {k}"},
-        {"role": "assistant", "content": f"DATASET answer {k}"})][:-1]) for i in range(n)]
     config = GenerationConfig(base_urls=[url], model="fake-model", concurrency=16, max_tokens=4000,
                               regenerate="all-turns", fsync_interval_s=0.2, progress_interval_s=0.5)
-    generate_partition(prompts, "00025", DataLayout.at(root), config, log=lambda m: print(m, flush=True))
+    conversations = prompts(n, turns, tag="conv", answer="DATASET answer")  # the resume below generates the same
+    generate_partition(conversations, "00025", DataLayout.at(root), config, log=lambda m: print(m, flush=True))
     """
 )
-
-
-def make_prompts() -> list[PromptToGenerate]:
-    return [
-        PromptToGenerate(
-            f"conv-{i:03d}",
-            [
-                m
-                for k in range(TURNS)
-                for m in (
-                    {"role": "user", "content": f"conversation {i} question {k}"},
-                    {"role": "assistant", "content": f"DATASET answer {k}"},
-                )
-            ][:-1],
-        )
-        for i in range(N)
-    ]
 
 
 def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(tmp_path: Path) -> None:
@@ -85,7 +68,7 @@ def test_sigkill_mid_conversation_then_resume_requests_only_the_turns_in_flight(
         server.reset_stats()
         config = GenerationConfig(base_urls=[server.base_url], model="fake-model", concurrency=C, max_tokens=4000,
                                   regenerate="all-turns")  # fmt: skip
-        result = generate_partition(make_prompts(), KEY, layout, config)
+        result = generate_partition(prompts(N, TURNS, tag="conv", answer="DATASET answer"), KEY, layout, config)
         after = server.stats()
 
     turns = pl.read_parquet(turns_store_path(layout, KEY))

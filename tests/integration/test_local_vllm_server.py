@@ -19,6 +19,7 @@ import pytest
 
 from eagle3_assets.local import vllm_cli
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port, port_in_use
 from support.stand_in_vllm import group_gone, stand_in_config
 
 
@@ -183,7 +184,7 @@ def _cli_env(fake_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 
 def test_cli_start_status_stop(tmp_path: Path, model_dir: Path, fake_env: dict[str, str]) -> None:
     env = _cli_env(fake_env, tmp_path)
-    port = str(vs.find_free_port())
+    port = str(find_free_port())
     base = [sys.executable, "-m", "eagle3_assets.local.vllm_cli"]
     start = subprocess.run(
         [*base, "start", "--model", str(model_dir), "--port", port, "--served-model-name", "tiny"],
@@ -213,7 +214,7 @@ def test_cli_serve_stops_the_server_on_signal(
     tmp_path: Path, model_dir: Path, fake_env: dict[str, str], sig: signal.Signals
 ) -> None:
     env = _cli_env(fake_env, tmp_path)
-    port = vs.find_free_port()
+    port = find_free_port()
     proc = subprocess.Popen(
         [*SERVE, "--model", str(model_dir), "--port", str(port), "--served-model-name", "tiny"],
         env=env,
@@ -237,4 +238,4 @@ def test_cli_serve_stops_the_server_on_signal(
             f"serve ignored {sig.name} for 60 s; signal state before: {signals}, now: {_signal_state(proc.pid)}"
         )
     assert code == 0
-    assert not vs.port_in_use("127.0.0.1", port)
+    assert not port_in_use("127.0.0.1", port)

@@ -13,6 +13,7 @@ from eagle3_assets import cli
 from eagle3_assets.core.storage import DataLayout, write_parquet_atomic
 from eagle3_assets.generation.records import rows_to_frame
 from eagle3_assets.operations import backfill, status
+from eagle3_assets.operations.counts import STATUS_COLUMNS
 from eagle3_assets.operations.sync import SYNC_TAG, sync
 from eagle3_assets.prompts import prompt_table
 from support.operations import make_dagster_home, write_prompts
@@ -130,7 +131,7 @@ def test_counts_shows_status_and_tokens_and_names_a_broken_file(on_disk: DataLay
         on_disk.responses_path(key).unlink()
     assert cli.main(["counts"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["partition", "synthetic_responses", *cli.STATUS_COLUMNS]
+    assert lines[1].split() == ["partition", "synthetic_responses", *STATUS_COLUMNS]
     assert lines[3].split() == ["00001", "4", "3", "1", "0", "12", "40"]  # the failed row's tokens count too
     assert lines[-1].split() == ["total", "8", "7", "1", "0", "24", "80"]
 

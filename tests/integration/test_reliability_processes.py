@@ -16,6 +16,7 @@ import pytest
 
 from eagle3_assets.generation import GenerationConfig
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port
 from support.common import child_env
 from support.stand_in_vllm import group_gone, stand_in_config
 
@@ -61,7 +62,7 @@ def test_the_server_dies_when_its_parent_is_killed(tmp_path: Path, model_dir: Pa
 def test_only_a_server_this_project_started_for_the_same_model_is_reused(
     tmp_path: Path, model_dir: Path, fake_env: dict[str, str]
 ) -> None:
-    port = vs.find_free_port()
+    port = find_free_port()
     stranger = subprocess.Popen(  # a server on the port that serves the right name but was not started by eagle3
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *SERVE_ARGS, str(port)],
         env={**os.environ, **fake_env},

@@ -28,6 +28,7 @@ from dagster._serdes import serialize_value
 
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import fake_server_pipeline_env, write_jsonl
 from support.secrets import leaks, password_forms, sqlite_texts, with_password
@@ -208,7 +209,7 @@ def _stand_in_config(tmp_path: Path, enforce: bool, **overrides: object) -> vs.V
     values: dict[str, object] = {
         "model": tmp_path / "model",
         "served_model_name": "tiny",
-        "port": vs.find_free_port(),
+        "port": find_free_port(),
         "python": Path(sys.executable),
         "extra_env": {"PYTHONPATH": str(tmp_path / "stand_in"), "STAND_IN_ENFORCE": "1" if enforce else "0"},
         "log_dir": tmp_path / "logs",

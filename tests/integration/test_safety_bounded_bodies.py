@@ -28,24 +28,14 @@ from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.generation import generate_partition
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.bounded_bodies import child_report_watching_memory
+from support.never_ending import GROWTH_LIMIT_MB, KILL_GROWTH_MB, NEVER_ENDING_S, never_ending
 from support.reliability import make_prompts, quick_config
 
 KEY = "00000"
 PROMPTS = 4
 ATTEMPTS = 2
 REQUEST_TIMEOUT_S = 2.0
-# a byte every 0.2 s: five per second, each well inside the 1 s idle (socket read) timeout
-TRICKLE_INTERVAL_S = 0.2
-IDLE_TIMEOUT_S = 1.0
-# how long the fake server keeps a never-ending body going: before the fix a plain trickle held each attempt this
-# long (then ended as a cut connection), so the test ends instead of hanging, and fails on the wall time
-NEVER_ENDING_S = 12.0
-# the generating child's growth in resident memory over its own baseline: 30-45 MB measured (the run's own working
-# memory, and four requests each bounded by a limit of ~1-2 MB, buffered at most twice); before the fix an endless
-# plain body passed 600 MB within a second or two, and four endless streams took ~100 MB (then timed out)
-GROWTH_LIMIT_MB = 100
-# the child is killed past this growth (the test then fails): the old code would otherwise take gigabytes
-KILL_GROWTH_MB = 600
+IDLE_TIMEOUT_S = 1.0  # five trickled bytes a second (TRICKLE_INTERVAL_S) are each well inside it
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
@@ -59,8 +49,11 @@ def _settings(url: str, transport: str, stream: bool) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _never_ending(fault: str) -> FakeConfig:
-    return FakeConfig(faults={fault: 1.0}, trickle_interval_s=TRICKLE_INTERVAL_S, hang_s=NEVER_ENDING_S)
+def _errors_of_failed_rows(layout: DataLayout) -> list[str]:
+    """The written partition's errors, once every one of its rows is a failed one."""
+    frame = pl.read_parquet(layout.responses_path(KEY))
+    assert frame.height == PROMPTS and set(frame["status"]) == {"failed"}
+    return frame["error"].to_list()
 
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["aiohttp", "openai"])
@@ -75,7 +68,7 @@ STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream
 def test_a_trickled_body_fails_by_the_request_timeout_into_failed_rows(
     stream: bool, transport: str, layout: DataLayout
 ) -> None:
-    with FakeServerProcess(_never_ending("trickle")) as server:
+    with FakeServerProcess(never_ending("trickle")) as server:
         config = quick_config(server.base_url, **_settings(server.base_url, transport, stream))
         started = time.monotonic()
         result = generate_partition(make_prompts(PROMPTS), KEY, layout, config, log=lambda _m: None)
@@ -86,9 +79,7 @@ def test_a_trickled_body_fails_by_the_request_timeout_into_failed_rows(
     # every attempt ends at its deadline: the attempts' deadlines plus start-up and backoff, not NEVER_ENDING_S each
     assert wall_s < ATTEMPTS * REQUEST_TIMEOUT_S + 6.0, wall_s
     assert (result.ok, result.failed, result.total) == (0, PROMPTS, PROMPTS)
-    frame = pl.read_parquet(layout.responses_path(KEY))
-    assert frame.height == PROMPTS and set(frame["status"]) == {"failed"}
-    for error in frame["error"]:
+    for error in _errors_of_failed_rows(layout):
         assert error.startswith(f"gave up after {ATTEMPTS} attempts; last error: timeout: the reply did not end"), error
         assert f"within the request timeout of {REQUEST_TIMEOUT_S:g} s (EAGLE3_REQUEST_TIMEOUT_S)" in error, error
 
@@ -130,19 +121,19 @@ def _generate_in_child(url: str, layout: DataLayout, settings: dict[str, Any], s
 def test_an_endless_body_fails_at_its_size_limit_in_bounded_memory(
     stream: bool, transport: str, layout: DataLayout
 ) -> None:
-    with FakeServerProcess(_never_ending("endless")) as server:
+    with FakeServerProcess(never_ending("endless")) as server:
         started = time.monotonic()
         report = _generate_in_child(server.base_url, layout, _settings(server.base_url, transport, stream))
         wall_s = time.monotonic() - started
         endless = server.stats()["outcomes"].get("endless", 0)
 
     assert endless == PROMPTS * ATTEMPTS
+    # the generating child grew 30-45 MB; before the fix an endless plain body passed 600 MB within a second or two,
+    # and four endless streams took ~100 MB (then timed out)
     assert report["peak_mb"] - report["baseline_mb"] < GROWTH_LIMIT_MB, report
     assert (report["ok"], report["failed"], report["total"]) == (0, PROMPTS, PROMPTS)
     assert wall_s < ATTEMPTS * REQUEST_TIMEOUT_S + 15.0, wall_s  # a child's imports included
-    frame = pl.read_parquet(layout.responses_path(KEY))
-    assert frame.height == PROMPTS and set(frame["status"]) == {"failed"}
-    for error in frame["error"]:
+    for error in _errors_of_failed_rows(layout):
         # the size limit, not the deadline, ended each attempt
         assert error.startswith(f"gave up after {ATTEMPTS} attempts; last error: reply too large: its body"), error
         assert "bytes this request's max_tokens allows" in error, error
@@ -168,10 +159,8 @@ def test_an_endless_error_body_fails_by_its_status_in_bounded_memory(
     assert endless == PROMPTS * attempts
     assert report["peak_mb"] - report["baseline_mb"] < GROWTH_LIMIT_MB, report
     assert (report["ok"], report["failed"], report["total"]) == (0, PROMPTS, PROMPTS)
-    frame = pl.read_parquet(layout.responses_path(KEY))
-    assert frame.height == PROMPTS and set(frame["status"]) == {"failed"}
     given_up = f"gave up after {ATTEMPTS} attempts; last error: " if status >= 500 else ""
-    for error in frame["error"]:
+    for error in _errors_of_failed_rows(layout):
         assert error.startswith(f"{given_up}HTTP {status}: reply too large: its body passed beyond"), error
 
 

@@ -31,20 +31,12 @@ import pytest
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.bounded_bodies import CLIENTS, run_in_child
 from support.fake_extraction import ExtractionServerProcess
+from support.never_ending import GROWTH_LIMIT_MB, KILL_GROWTH_MB, NEVER_ENDING_S, TRICKLE_INTERVAL_S, never_ending
 
 TIMEOUT_S = 2.0  # each client's request timeout (its whole-request deadline)
 ATTEMPTS = 2  # the extraction backend's attempts per sample
-# a byte every 0.2 s: five per second, each far inside any per-read timeout
-TRICKLE_INTERVAL_S = 0.2
-# how long a lying server keeps a never-ending body going: before the fix a trickle held the client that long
-NEVER_ENDING_S = 12.0
 # slack over a request's timeout for its wall time: a child's or a backend's start, a retry's bench
 SLACK_S = 3.0
-# a child's growth in resident memory over its baseline: a few MB to ~35 MB measured (a body stops at its limit:
-# ~1 MB a request for the SDK clients, 16 MB for a page, buffered at most twice); before the fix an endless body
-# grew the child by hundreds of MB a second
-GROWTH_LIMIT_MB = 100
-KILL_GROWTH_MB = 600
 
 pytestmark = pytest.mark.timeout(120, method="thread")
 
@@ -73,8 +65,7 @@ def lying_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str
     base URL."""
     client, fault = request.param
     if client == "evaluation":  # chat completions: the fake vLLM
-        fake = FakeConfig(faults={fault: 1.0}, trickle_interval_s=TRICKLE_INTERVAL_S, hang_s=NEVER_ENDING_S)
-        with FakeServerProcess(fake) as server:
+        with FakeServerProcess(never_ending(fault)) as server:
             yield server.base_url
         return
     storage = tmp_path / STORAGE

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port
 from support.common import child_env
 from support.fake_extraction import ExtractionFake, serve_extraction
 from support.hidden_states_data import cached_tiny_verifier
@@ -39,7 +40,7 @@ def _stubborn_server(tmp_path: Path, **env: str) -> vs.LocalVLLMServer:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     return vs.LocalVLLMServer(
-        model=model, served_model_name="tiny", port=vs.find_free_port(), python=stubborn_python(tmp_path),
+        model=model, served_model_name="tiny", port=find_free_port(), python=stubborn_python(tmp_path),
         log_dir=tmp_path / "logs", startup_timeout_s=30.0, extra_env=env,
     )  # fmt: skip
 

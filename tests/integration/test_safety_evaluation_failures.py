@@ -31,6 +31,7 @@ from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HUMANEVAL, Prompt, humaneval_prompts
 from fake_vllm import FakeConfig, FakeServerProcess, draw_fault, prompt_key
 from support.evaluation_failures import speculative_proxy
+from support.report_table import table_row
 
 pytestmark = pytest.mark.timeout(180, method="thread")
 
@@ -92,21 +93,12 @@ def _servers() -> Iterator[tuple[str, str, FakeServerProcess]]:
         yield plain.base_url, spec, plain
 
 
-def _row(markdown: str, draft_cell: str) -> list[str]:
-    """The cells of the table row of ``draft_cell`` on the humaneval set."""
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) > 2 and cells[0] == HUMANEVAL and cells[1] == draft_cell:
-            return cells
-    raise AssertionError(f"no {draft_cell!r} row in:\n{markdown}")
-
-
 def _assert_withheld(markdown: str) -> None:
     """The table: failed counts, no tok/s on the failed side, no speed-up number on either row."""
-    plain = _row(markdown, "none (plain verifier)")
-    trained = _row(markdown, "trained")
+    plain = table_row(markdown, HUMANEVAL, "none (plain verifier)")
+    trained = table_row(markdown, HUMANEVAL, "trained")
     # before the fix: the speed-up cell was a number, 13.3 measured (1 request held the baseline batch 2 s)
-    head = _row(markdown.replace("| prompt set |", f"| {HUMANEVAL} |"), "draft")
+    head = table_row(markdown, "prompt set", "draft")
     speedup, tps, failed = head.index("speed-up"), head.index("tok/s"), head.index("failed requests")
     assert trained[speedup] == WITHHELD, f"the speed-up is shown over a batch with a failed request:\n{markdown}"
     assert (plain[tps], plain[speedup]) == (WITHHELD, WITHHELD), markdown  # no baseline tok/s, no "1.00"

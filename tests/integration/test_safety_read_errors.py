@@ -30,6 +30,7 @@ from eagle3_assets.generation import generate_partition
 from eagle3_assets.generation.turns import turns_store_path
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.common import child_env
+from support.root_file_access import file_modes_enforced
 
 KEY = "00001"
 N = 6
@@ -82,21 +83,6 @@ def server() -> Iterator[FakeServerProcess]:
         yield running
 
 
-# Linux capabilities that let root read a file whatever its mode (linux/capability.h), and prctl's request to drop
-# one from the bounding set: a root child that exec()s without them meets mode 000 like any user.
-CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
-
-
-def _without_root_file_access() -> None:
-    """preexec_fn of a root child: drop the capabilities that bypass file modes (a real EACCES as root)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
-        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
-
 def _run_child(tmp: Path, url: str, root: Path, mode: str, fault: str, target: Path) -> subprocess.CompletedProcess:
     script = tmp / "child.py"
     script.write_text(CHILD)
@@ -109,7 +95,7 @@ def _run_child(tmp: Path, url: str, root: Path, mode: str, fault: str, target: P
             capture_output=True,
             text=True,
             timeout=60,
-            preexec_fn=_without_root_file_access if fault == "EACCES" and os.geteuid() == 0 else None,
+            preexec_fn=file_modes_enforced(fault == "EACCES"),
         )
     finally:
         if fault == "EACCES":
@@ -240,7 +226,7 @@ def test_a_stored_sample_file_that_cannot_be_read_fails_the_extraction_naming_it
             capture_output=True,
             text=True,
             timeout=120,
-            preexec_fn=_without_root_file_access if os.geteuid() == 0 else None,
+            preexec_fn=file_modes_enforced(),
         )
     finally:
         with contextlib.suppress(FileNotFoundError):  # a run that went on deleted it with the old version

@@ -25,6 +25,7 @@ import pytest
 from eagle3_assets.core import process_guard
 from eagle3_assets.local import vllm_cli
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port
 from support.stand_in_vllm import group_gone, stand_in_config
 
 VICTIM_TEXT = "precious: must not be truncated or overwritten\n"
@@ -118,7 +119,7 @@ def test_a_symlink_planted_where_the_pid_file_goes_is_refused(
     victim = _victim(tmp_path)
     logs = tmp_path / "cli-logs"
     logs.mkdir()
-    port = vs.find_free_port()
+    port = find_free_port()
     (logs / f"vllm-{port}.pid").symlink_to(victim)
     monkeypatch.setenv(vs.ENV_PYTHON, sys.executable)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fake_env["PYTHONPATH"], os.environ.get("PYTHONPATH", "")]))
@@ -158,7 +159,7 @@ def _stranger(model_dir: Path, fake_env: dict[str, str], port: int) -> subproces
 def test_a_marker_folder_planted_as_a_symlink_is_never_read(
     private_tmp: Path, tmp_path: Path, model_dir: Path, fake_env: dict[str, str]
 ) -> None:
-    port = vs.find_free_port()
+    port = find_free_port()
     stranger = _stranger(model_dir, fake_env, port)
     try:
         # someone else's folder, full of markers that vouch for their server

@@ -19,6 +19,7 @@ import struct
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -53,6 +54,29 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DataLayout]
     return verifier, layout
 
 
+class Copy(NamedTuple):
+    """A test's own copy of the trained data dir, to damage."""
+
+    verifier: Path
+    layout: DataLayout
+    out: Path  # its draft_model folder
+    newest: Path  # the newest checkpoint in it
+
+
+@pytest.fixture
+def copied(trained: tuple[Path, DataLayout], tmp_path: Path) -> Copy:
+    verifier, source = trained
+    layout = copy_data(source, tmp_path / "data")
+    return Copy(verifier, layout, layout.draft_model_dir, layout.draft_model_dir / "checkpoints" / NEWEST)
+
+
+def _train(copied: Copy) -> Any:
+    """``train_draft`` on the copy, raised to EPOCHS epochs: it resumes after its newest usable checkpoint."""
+    from eagle3_assets.training import train_draft
+
+    return train_draft(copied.layout, TRAIN, VAL, copied.verifier, config(EPOCHS))
+
+
 # EACCES for real: the newest checkpoint with mode 000, or the checkpoints folder with mode 0300 (writable, not
 # listable: a glob sees it empty), read by a child without root's file capabilities; the others raised by every open
 # of the newest checkpoint
@@ -62,14 +86,9 @@ REAL_MODES = {"EACCES": ("checkpoints/" + NEWEST, 0o000, 0o644), "EACCES-folder"
 @pytest.mark.slow  # a training child process (~10 s: torch and speculators imports)
 @pytest.mark.parametrize("fault", ["EACCES", "EACCES-folder", "EIO", "ESTALE", "ENOSPC", "MemoryError"])
 def test_an_unreadable_checkpoint_fails_the_run_naming_it_and_keeps_every_checkpoint(
-    trained: tuple[Path, DataLayout], tmp_path: Path, fault: str
+    copied: Copy, tmp_path: Path, fault: str
 ) -> None:
-    from eagle3_assets.training import train_draft
-
-    verifier, source = trained
-    layout = copy_data(source, tmp_path / "data")
-    out = layout.draft_model_dir
-    newest = out / "checkpoints" / NEWEST
+    verifier, layout, out, newest = copied
     before = tree(out)
     unreadable, mode, usual_mode = REAL_MODES.get(fault, ("checkpoints/" + NEWEST, None, None))
     if mode is not None:
@@ -92,7 +111,7 @@ def test_an_unreadable_checkpoint_fails_the_run_naming_it_and_keeps_every_checkp
     assert tree(out) == before  # every checkpoint, final/ and the history kept byte for byte
     assert not (out / "checkpoints" / "_corrupt").exists()  # a read error is not corruption
 
-    result = train_draft(layout, TRAIN, VAL, verifier, config(EPOCHS))  # the fault cleared: it resumes
+    result = _train(copied)  # the fault cleared: it resumes
     assert result.resumed_from_epoch == 1 and result.epochs_run == 1 and not result.notes
 
 
@@ -115,22 +134,15 @@ def _archived(out: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
-def test_a_corrupt_checkpoint_is_archived_and_training_resumes_from_the_older_one(
-    trained: tuple[Path, DataLayout], tmp_path: Path, damage: str
-) -> None:
-    from eagle3_assets.training import train_draft
-
-    verifier, source = trained
-    layout = copy_data(source, tmp_path / "data")
-    out = layout.draft_model_dir
-    newest = out / "checkpoints" / NEWEST
+def test_a_corrupt_checkpoint_is_archived_and_training_resumes_from_the_older_one(copied: Copy, damage: str) -> None:
+    out, newest = copied.out, copied.newest
     if damage == "flipped-byte":
         broken = _flip_a_weight_byte(newest)
     else:
         broken = newest.read_bytes()[: newest.stat().st_size // 2]
         newest.write_bytes(broken)
 
-    result = train_draft(layout, TRAIN, VAL, verifier, config(EPOCHS))
+    result = _train(copied)
 
     assert result.resumed_from_epoch == 0  # proven corrupt: never a resume point
     (archived,) = _archived(out)
@@ -141,24 +153,19 @@ def test_a_corrupt_checkpoint_is_archived_and_training_resumes_from_the_older_on
     # a second corrupt copy of the same checkpoint never replaces the first archive
     (out / "checkpoints" / "epoch_0002.pt").unlink()
     newest.write_bytes(broken)
-    again = train_draft(layout, TRAIN, VAL, verifier, config(EPOCHS))
+    again = _train(copied)
     assert again.resumed_from_epoch is None  # no whole checkpoint left (epoch 0's was pruned): from the start
     assert [p.read_bytes() for p in _archived(out)] == [broken, broken]
 
 
 def test_a_whole_checkpoint_this_environment_cannot_load_fails_the_run_and_is_kept(
-    trained: tuple[Path, DataLayout], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    copied: Copy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every checksum matches but unpickling fails (written with a module this environment lacks, as another numpy
     or torch version would): the file is whole, so it is neither skipped nor archived; the run names it."""
     import torch
 
-    from eagle3_assets.training import train_draft
-
-    verifier, source = trained
-    layout = copy_data(source, tmp_path / "data")
-    out = layout.draft_model_dir
-    newest = out / "checkpoints" / NEWEST
+    out, newest = copied.out, copied.newest
     module_dir = tmp_path / "modules"
     module_dir.mkdir()
     (module_dir / "safety_gone_module.py").write_text("class Stored:\n    pass\n")
@@ -174,6 +181,6 @@ def test_a_whole_checkpoint_this_environment_cannot_load_fails_the_run_and_is_ke
     before = tree(out)
 
     with pytest.raises(RuntimeError, match="cannot load the checkpoint") as raised:
-        train_draft(layout, TRAIN, VAL, verifier, config(EPOCHS))
+        _train(copied)
     assert str(newest) in str(raised.value) and "safety_gone_module" in str(raised.value)
     assert tree(out) == before and not _archived(out)

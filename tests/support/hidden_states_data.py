@@ -46,16 +46,24 @@ def cached_tiny_verifier(seed: int = 0, num_layers: int = 4, hidden_size: int = 
     return cached_tiny_model(seed=seed, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size)
 
 
+def record_checks_as_the_assets_do(layout: DataLayout, key: str) -> None:
+    """What the two partitioned assets record after their checks (the hidden states' real outcomes; the responses
+    were fabricated whole), so the hold-out rule and training see the partition as the pipeline would leave it."""
+    from eagle3_assets.core import hashing, lineage
+    from eagle3_assets.hidden_states import check_finite, check_one_per_ok_response, check_token_ids
+
+    digest = hashing.file_digest(layout.responses_path(key))
+    lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
+    checks = (check_token_ids, check_finite, check_one_per_ok_response)
+    lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
+
+
 def training_inputs(data_dir: Path) -> tuple[DataLayout, Path]:
     """(a data dir ready for ``draft_model``, the tiny verifier): TRAINING_KEYS' hidden_states (48 fabricated
     responses each) with what their assets record after the checks (their real outcomes; the responses were
     fabricated whole), and a 256-token vocabulary mapping of the first two."""
-    from eagle3_assets.core import hashing, lineage
     from eagle3_assets.hidden_states import (
         HiddenStatesConfig,
-        check_finite,
-        check_one_per_ok_response,
-        check_token_ids,
         extract_partition,
     )
     from eagle3_assets.training import build_vocab_mapping
@@ -65,10 +73,7 @@ def training_inputs(data_dir: Path) -> tuple[DataLayout, Path]:
     for key in TRAINING_KEYS:
         fabricate_responses(layout, key, 48, min_words=20, max_words=40)
         extract_partition(layout, key, verifier, HiddenStatesConfig(layer_ids=[1, 2, 3]))
-        digest = hashing.file_digest(layout.responses_path(key))
-        lineage.PartitionLineage("synthetic_responses", key, digest, checks={"fabricated_whole": True}).save(layout)
-        checks = (check_token_ids, check_finite, check_one_per_ok_response)
-        lineage.record_checks(layout, "hidden_states", key, {c.__name__: c(layout, key).passed for c in checks})
+        record_checks_as_the_assets_do(layout, key)
     build_vocab_mapping(layout, TRAINING_KEYS[:2], draft_vocab_size=256, target_vocab_size=1024)
     return layout, verifier
 

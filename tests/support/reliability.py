@@ -30,23 +30,26 @@ def key_of(prompt: PromptToGenerate) -> str:
     return prompt_key([dict(m) for m in prompt.messages])
 
 
+def fast_config(*urls: str, **settings: object) -> GenerationConfig:
+    """A config for ``urls`` that retries, syncs its journal and reports quickly (the fault tests' short backoff and
+    intervals), with ``settings`` over those."""
+    fast: dict[str, object] = dict(
+        backoff_base_s=0.05, backoff_max_s=0.5, fsync_interval_s=0.2, progress_interval_s=1.0
+    )
+    return GenerationConfig(base_urls=list(urls), **{**fast, **settings})  # type: ignore[arg-type]
+
+
 def quick_config(*urls: str, **overrides: object) -> GenerationConfig:
     """Short timeouts and backoff so fault tests finish in seconds."""
     values: dict[str, object] = dict(
-        base_urls=list(urls),
         concurrency=16,
         max_tokens=2000,
         request_timeout_s=5.0,
         connect_timeout_s=2.0,
         idle_timeout_s=2.0,
-        backoff_base_s=0.05,
-        backoff_max_s=0.5,
         bench_after_failures=1000,
-        fsync_interval_s=0.2,
-        progress_interval_s=1.0,
     )
-    values.update(overrides)
-    return GenerationConfig(**values)  # type: ignore[arg-type]
+    return fast_config(*urls, **{**values, **overrides})
 
 
 def free_port() -> int:

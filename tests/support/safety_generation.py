@@ -1,21 +1,24 @@
-"""Prompts and settings shared by the generation safety tests (issue 31) and their child processes."""
+"""Conversations and settings shared by the generation safety tests (issue 31), the all-turns kill test and their
+child processes."""
 
 from __future__ import annotations
 
 from eagle3_assets.generation import GenerationConfig, PromptToGenerate
+from support.reliability import fast_config
 
 
-def prompts(n: int = 6, turns: int = 2) -> list[PromptToGenerate]:
-    """``n`` conversations of ``turns`` user turns (the dataset's assistant answers between them)."""
+def prompts(n: int = 6, turns: int = 2, tag: str = "safe", answer: str = "dataset answer") -> list[PromptToGenerate]:
+    """``n`` conversations ``{tag}-000``... of ``turns`` user turns (the dataset's assistant answers between them:
+    ``{answer} {k}``)."""
     return [
         PromptToGenerate(
-            f"safe-{i:03d}",
+            f"{tag}-{i:03d}",
             [
                 message
                 for k in range(turns)
                 for message in (
                     {"role": "user", "content": f"conversation {i} question {k}"},
-                    {"role": "assistant", "content": f"dataset answer {k}"},
+                    {"role": "assistant", "content": f"{answer} {k}"},
                 )
             ][:-1],
         )
@@ -24,17 +27,9 @@ def prompts(n: int = 6, turns: int = 2) -> list[PromptToGenerate]:
 
 
 def config(url: str, regenerate: str, **overrides: object) -> GenerationConfig:
+    """The fake model, 8 requests in flight, short replies and a 10 s request timeout; the connection and bench
+    settings the library's own."""
     values: dict[str, object] = dict(
-        base_urls=[url],
-        model="fake-model",
-        concurrency=8,
-        max_tokens=400,
-        regenerate=regenerate,
-        request_timeout_s=10.0,
-        backoff_base_s=0.05,
-        backoff_max_s=0.5,
-        fsync_interval_s=0.2,
-        progress_interval_s=1.0,
+        model="fake-model", concurrency=8, max_tokens=400, regenerate=regenerate, request_timeout_s=10.0
     )
-    values.update(overrides)
-    return GenerationConfig(**values)  # type: ignore[arg-type]
+    return fast_config(url, **{**values, **overrides})

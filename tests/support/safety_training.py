@@ -11,7 +11,6 @@ The child runs ``train_draft`` the way a worker does and injects one fault into 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 from eagle3_assets.core.storage import DataLayout
 from support.common import child_env
+from support.root_file_access import file_modes_enforced
 
 TRAIN, VAL = ["00000"], "00001"
 LAYERS = [1, 2, 3]
@@ -103,19 +103,6 @@ CHILD = textwrap.dedent(
     """
 )
 
-# Linux capabilities that let root read a file whatever its mode (linux/capability.h), and prctl's request to drop
-# one from the bounding set: a root child that exec()s without them meets mode 000 like any user (as in
-# tests/integration/test_safety_read_errors.py).
-CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
-
-
-def without_root_file_access() -> None:
-    """preexec_fn of a root child: drop the capabilities that bypass file modes (a real EACCES as root)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
-        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
 
 def config(epochs: int) -> Any:
     from eagle3_assets.training import TrainConfig
@@ -176,7 +163,7 @@ def run_child(
         text=True,
         timeout=180,
         cwd=tmp,
-        preexec_fn=without_root_file_access if drop_root_file_access and os.geteuid() == 0 else None,
+        preexec_fn=file_modes_enforced(drop_root_file_access),
     )
 
 

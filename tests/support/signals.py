@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import default_signals
+from eagle3_assets.local.process_group import alive, descendants  # the package's own tree walk, the one a stop clears
 from support.common import child_env, journal_lines, send_json, stub_http_server  # noqa: F401 (journal_lines: tests import it from here)
 from support.operations import make_dagster_home, pipeline_env, write_prompts
 
@@ -81,35 +82,6 @@ def run(pipeline: Pipeline, command: list[str], name: str, timeout_s: float = 30
 
 def log_text(pipeline: Pipeline, name: str) -> str:
     return pipeline.log_path(name).read_text(errors="replace")
-
-
-def _ppid_map() -> dict[int, int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (entry / "stat").read_text()
-            fields = stat.rsplit(")", 1)[-1].split()
-            if fields[0] != "Z":  # a zombie has exited: it holds nothing
-                parents[int(entry.name)] = int(fields[1])
-    return parents
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children that started their own session included)."""
-    parents = _ppid_map()
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` that still run (zombies count as gone)."""
-    return set(_ppid_map()) & pids
 
 
 def training_ranks(pid: int, with_torchrun: bool = False) -> set[int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.local import vllm_server as vs
+from eagle3_assets.net.ports import find_free_port
 
 FAKE_API_SERVER = """
 import argparse, json, os, signal, sys, time
@@ -75,7 +76,7 @@ def stand_in_config(tmp_path: Path, model_dir: Path, env: dict[str, str], **over
     values: dict[str, object] = {
         "model": model_dir,
         "served_model_name": "tiny",
-        "port": vs.find_free_port(),
+        "port": find_free_port(),
         "python": Path(sys.executable),
         "extra_env": env,
         "log_dir": tmp_path / "logs",

@@ -22,6 +22,7 @@ from eagle3_assets.evaluation.evaluation_report import (
     speedup_interval,
     write_report,
 )
+from support.report_table import table_row
 
 K = 3
 SET = "humaneval"
@@ -57,11 +58,7 @@ def _report(*stats: AcceptanceStats, plain_failed: int = 0) -> EvaluationReport:
 
 
 def _row(markdown: str, label: str) -> list[str]:
-    for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) > 2 and cells[0] == SET and cells[1] == label:
-            return cells
-    raise AssertionError(f"no {label!r} row in:\n{markdown}")
+    return table_row(markdown, SET, label)
 
 
 def test_the_table_notes_and_json_give_the_interval_and_the_verdict(tmp_path: Path) -> None:
@@ -78,7 +75,7 @@ def test_the_table_notes_and_json_give_the_interval_and_the_verdict(tmp_path: Pa
         INCONCLUSIVE,
     ]
     md = report.markdown()
-    head = _row(md.replace("| prompt set |", f"| {SET} |"), "draft")
+    head = table_row(md, "prompt set", "draft")
     speedup, verdict = head.index("speed-up"), head.index("verdict")
     assert verdict == speedup + 1
     assert _row(md, "trained")[speedup] == f"{median:.2f} [{low:.2f}, {high:.2f}]"

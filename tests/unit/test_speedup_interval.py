@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,8 @@ from eagle3_assets.evaluation.evaluation_report import (
     speedup_verdict,
 )
 from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, evaluate_online, generate_paired, paired_order
-from support.common import send_json, stub_http_server
+from support.chat_stub import ChatHandler, chat_completion
+from support.common import stub_http_server
 
 K = 3
 SPECULATIVE = {"acceptance_histogram": [1, 0, 0, 1], "num_draft_tokens": 2 * K, "num_spec_steps": 2}
@@ -93,12 +93,8 @@ def _stub(side: str, seen: list[tuple[str, str]], delay_s: float = 0.0, fail: se
     lock = threading.Lock()
     counts: dict[str, int] = {}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *_args: object) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    class Handler(ChatHandler):
+        def answer(self, request: dict[str, Any]) -> dict[str, Any] | None:
             content = request["messages"][-1]["content"]
             with lock:
                 seen.append((side, content))
@@ -110,26 +106,11 @@ def _stub(side: str, seen: list[tuple[str, str]], delay_s: float = 0.0, fail: se
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                return
+                return None
             time.sleep(delay_s)
-            reply: dict[str, Any] = {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 0,
-                "model": request["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": "length",
-                        "token_ids": list(range(8)),
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
-            }
-            if speculative:
-                reply["metrics"] = {"speculative_decoding": SPECULATIVE}
-            send_json(self, reply)
+            return chat_completion(
+                request["model"], content, list(range(8)), "length", SPECULATIVE if speculative else None
+            )
 
     with stub_http_server(Handler) as url:
         yield url
