@@ -40,6 +40,11 @@ ONLINE_FLAGS: tuple[tuple[str, str], ...] = (
     ("max_tokens", "max_tokens per online request (default %(default)s)"),
     ("concurrency", "requests in flight per server for acceptance (default %(default)s)"),
     (
+        "sampled_temperature",
+        "the trained draft's acceptance batch again at this temperature (vLLM's rejection sampling); 0: greedy only "
+        "(default %(default)g)",
+    ),
+    (
         "speed_prompts",
         "batch-1 speed-up on each set's first N prompts, each sent to the plain verifier and to the draft one request "
         "at a time, alternating which goes first: the median ratio, its 95%% bootstrap interval and whether the draft "

@@ -60,7 +60,15 @@ class DraftEvaluationRunConfig(SettingsConfig):
         "bootstrap interval; the draft pays only where the interval's lower bound is above 1.0. 0: none.",
         ge=0,
     )
-    partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
+    sampled_temperature: float = setting(
+        OnlineConfig.sampled_temperature,
+        description="The trained draft's acceptance batch again at this temperature (vLLM's rejection sampling), "
+        "beside the greedy figure; 0: greedy only.",
+        ge=0,
+    )
+    partition: str = setting(
+        "", description="Held-out partition; empty: the last hidden_states partition whose checks passed."
+    )
     # ~0.3-1 s per sample and draft on 2 busy cores
     offline_max_samples: int | None = setting(
         256, description="Stored samples simulated offline; empty: the whole held-out partition.", gt=0

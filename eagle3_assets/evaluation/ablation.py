@@ -320,7 +320,8 @@ def _online(rows: list[DraftRow], eval_layout: DataLayout, held: list[PromptToGe
     # lazy: looked up when called, so a test can replace it
     from eagle3_assets.evaluation.online_metrics import OnlineConfig, evaluate_online
 
-    cfg = dataclasses.replace(stages.online or OnlineConfig(), k=config.k)
+    # every variant measured alike: greedy only (a sampled batch would be the first variant's alone)
+    cfg = dataclasses.replace(stages.online or OnlineConfig(), k=config.k, sampled_temperature=0.0)
     sets = {
         HELD_OUT: [Prompt(p.sample_id, list(p.messages)) for p in held],
         HUMANEVAL: humaneval_prompts(config.humaneval),

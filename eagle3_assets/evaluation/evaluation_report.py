@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.storage import DataLayout, write_bytes_atomic, write_json_atomic
+from eagle3_assets.evaluation.acceptance_counts import breakdown_line
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -458,6 +459,8 @@ def render_markdown(report: EvaluationReport) -> str:
         lines += [
             _verdict_line(report, s) for s in online if report.verdict(s.label, s.prompt_set) not in (None, WITHHELD)
         ]
+        beyond = (breakdown_line(o.prompt_set, s.label, s.mean_acceptance_length, s.extra) for s in online)
+        lines += [line for line in beyond if line]
         for label, bad in o.mismatches.items():
             what = "identical" if not bad else f"{len(bad)} DIFFERENT ({', '.join(bad[:5])})"
             lines.append(f"- {o.prompt_set}: greedy outputs with the {label} draft vs without: {what}")

@@ -38,8 +38,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.hashing import digest
 from eagle3_assets.core.interrupts import run_interruptible
 from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
+from eagle3_assets.evaluation.acceptance_counts import (
+    Generation,
+    GenerationRun,
+    by_prompt_length,
+    summary,
+    summed_counts,
+)
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, pair_record
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
 from eagle3_assets.local import accelerator
@@ -55,37 +63,6 @@ logger = logging.getLogger(__name__)
 # vLLM's flag for per-request acceptance in each response body (``summary``: the histogram, no per-step arrays)
 PER_REQUEST_METRICS_ARGS = ("--per-request-spec-decode-metrics", "summary")
 PLAIN, DRAFT = "plain", "draft"
-
-
-@dataclass
-class Generation:
-    sample_id: str
-    token_ids: list[int] | None
-    text: str  # reasoning + "\x00" + content: the comparison falls back on it without token ids
-    completion_tokens: int
-    finish_reason: str | None
-    speculative: dict[str, Any] | None = None  # the response's metrics.speculative_decoding, if any
-    error: str | None = None  # why the request failed (no reply to count); None: it succeeded
-    seconds: float | None = None  # this request's wall time, from its send to the whole reply (None: it failed)
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-
-@dataclass
-class GenerationRun:
-    generations: list[Generation]
-    seconds: float  # the batch's wall time (a paired speed batch: the sum of this side's answered requests')
-    counters: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(g.completion_tokens for g in self.generations)
-
-    @property
-    def failures(self) -> list[Generation]:
-        return [g for g in self.generations if g.failed]
 
 
 @dataclass
@@ -112,36 +89,9 @@ class OnlineConfig:
     draft_url: str | None = None
     served_model_name: str | None = None  # model id on those servers; default: the verifier folder's name
     api_key: str | None = field(default=None, repr=False)  # for servers given by URL; never logged
-
-
-def acceptance_counts(speculative: Mapping[str, Any], k: int) -> dict[str, Any]:
-    """One response's ``metrics.speculative_decoding`` as counts: drafts, draft tokens, accepted, per position.
-
-    ``acceptance_histogram[j]`` is the number of verify steps that accepted exactly j draft tokens, so the drafts
-    whose first p+1 tokens were all accepted are the steps with j > p.
-    """
-    histogram = [int(n) for n in speculative["acceptance_histogram"]]
-    if len(histogram) != k + 1:
-        raise ValueError(f"acceptance_histogram has {len(histogram)} bins for num_speculative_tokens={k}")
-    return {
-        "drafts": sum(histogram),
-        "draft_tokens": int(speculative["num_draft_tokens"]),
-        "accepted": sum(j * n for j, n in enumerate(histogram)),
-        "per_position": [sum(histogram[p + 1 :]) for p in range(k)],
-    }
-
-
-def summed_counts(generations: Sequence[Generation], k: int) -> dict[str, Any]:
-    """Acceptance counts over this evaluation's own responses (zero for a server without a draft)."""
-    total: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
-    for g in generations:
-        if g.speculative is None:
-            continue
-        one = acceptance_counts(g.speculative, k)
-        for name in ("drafts", "draft_tokens", "accepted"):
-            total[name] += one[name]
-        total["per_position"] = [a + b for a, b in zip(total["per_position"], one["per_position"], strict=True)]
-    return total
+    # the trained draft's acceptance batch again at this temperature (vLLM's rejection sampling; each request seeded
+    # by its sample id, so a re-run asks the same); 0: greedy only
+    sampled_temperature: float = 0.7
 
 
 def _client(base_url: str, config: OnlineConfig) -> Any:
@@ -161,8 +111,16 @@ def _client(base_url: str, config: OnlineConfig) -> Any:
     )
 
 
-async def _complete(client: Any, model: str, prompt: Prompt, config: OnlineConfig) -> Generation:
-    """One greedy completion, timed from its send to the whole reply; a failure is a failed Generation."""
+def request_seed(sample_id: str) -> int:
+    """A sampled request's seed, from its sample id: the same prompt draws the same way in every run."""
+    return int(digest(sample_id, 8), 16)
+
+
+async def _complete(
+    client: Any, model: str, prompt: Prompt, config: OnlineConfig, temperature: float = 0.0
+) -> Generation:
+    """One completion (greedy unless ``temperature``), timed from its send to the whole reply; a failure is a
+    failed Generation."""
 
     deadline_s = config.request_timeout_s
     deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
@@ -172,9 +130,10 @@ async def _complete(client: Any, model: str, prompt: Prompt, config: OnlineConfi
             response = await client.chat.completions.create(
                 model=model,
                 messages=prompt.messages,  # type: ignore[arg-type]
-                temperature=0,
+                temperature=temperature,
                 max_tokens=config.max_tokens,
                 extra_body={"return_token_ids": True},
+                **({"seed": request_seed(prompt.sample_id)} if temperature else {}),
             )
     except Exception as error:  # not a cancellation (a stop request): CancelledError is no Exception
         if deadline.expired():
@@ -184,8 +143,11 @@ async def _complete(client: Any, model: str, prompt: Prompt, config: OnlineConfi
     return dataclasses.replace(_generation(prompt, response), seconds=seconds)
 
 
-def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig) -> GenerationRun:
-    """Greedy completions of every prompt, ``concurrency`` at a time; wall time of the whole batch.
+def generate(
+    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, temperature: float = 0.0
+) -> GenerationRun:
+    """Completions of every prompt (greedy unless ``temperature``), ``concurrency`` at a time; wall time of the
+    whole batch.
 
     The requests run on an event loop that a stop request (SIGINT, SIGTERM, Dagster's terminate) cancels
     (:func:`eagle3_assets.core.interrupts.run_interruptible`): the batch ends within seconds, its connections closed,
@@ -199,7 +161,7 @@ def generate(base_url: str, model: str, prompts: Sequence[Prompt], config: Onlin
 
         async def one(prompt: Prompt) -> Generation:
             async with gate:
-                return await _complete(client, model, prompt, config)
+                return await _complete(client, model, prompt, config, temperature)
 
         try:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
@@ -267,6 +229,7 @@ def _generation(prompt: Prompt, response: Any) -> Generation:
         completion_tokens=int(usage.completion_tokens) if usage else len(token_ids or []),
         finish_reason=choice.finish_reason,
         speculative=metrics.get("speculative_decoding") if isinstance(metrics, dict) else None,
+        prompt_tokens=int(usage.prompt_tokens) if usage and usage.prompt_tokens is not None else None,
     )
 
 
@@ -306,11 +269,16 @@ def _checked(base_url: str, run: GenerationRun, config: OnlineConfig, speculativ
 
 
 def measure(
-    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, speculative: bool = False
+    base_url: str,
+    model: str,
+    prompts: Sequence[Prompt],
+    config: OnlineConfig,
+    speculative: bool = False,
+    temperature: float = 0.0,
 ) -> GenerationRun:
     """Generate and count acceptance from these responses; a draft server must report it per request. Failed
     requests count nowhere but in ``failures``; a batch with no successful request stops the evaluation."""
-    return _checked(base_url, generate(base_url, model, prompts, config), config, speculative)
+    return _checked(base_url, generate(base_url, model, prompts, config, temperature), config, speculative)
 
 
 def acceptance_stats(
@@ -352,6 +320,7 @@ def acceptance_stats(
             "truncated": sum(1 for g in run.generations if g.finish_reason == "length"),
             # requests that got no reply (a timeout, an oversized body, an error): in no count above
             "failed": failed,
+            "by_prompt_length": by_prompt_length(run.generations, k),
         },
         failed=failed,
         speed_failed=speed_failed,
@@ -464,6 +433,13 @@ def evaluate_online(
         _say_failures(say, label, set_name, "speed batch", _checked(draft_url, draft_run, config, True))
         return plain_run, draft_run
 
+    def sampled(draft_url: str, label: str, set_name: str) -> dict[str, Any]:
+        temperature = config.sampled_temperature
+        say(f"online [{label}] {set_name}: acceptance again at temperature {temperature:g}")
+        run = measure(draft_url, name, prompt_sets[set_name], config, True, temperature)
+        _say_failures(say, label, set_name, f"temperature-{temperature:g} batch", run)
+        return {"temperature": temperature, "failed": len(run.failures), **summary(run.generations, config.k)}
+
     stats: list[AcceptanceStats] = []
     mismatches: dict[str, dict[str, list[str]]] = {set_name: {} for set_name in prompt_sets}
     plain_speed: dict[str, list[GenerationRun]] = {set_name: [] for set_name in prompt_sets}
@@ -484,6 +460,8 @@ def evaluate_online(
                         plain_speed[set_name].append(plain_run)
                         reference, other = reference + plain_run.generations, other + draft_run.generations
                     s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_speed=plain_run)
+                    if i == 0 and config.sampled_temperature > 0:
+                        s.extra["sampled"] = sampled(draft_url, label, set_name)
                     bad = mismatched(reference, other)
                     mismatches[set_name][label] = sorted(set(bad), key=bad.index)
                     say(

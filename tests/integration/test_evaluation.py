@@ -121,7 +121,7 @@ def test_stats_and_report_files(tmp_path: Path) -> None:
 
 
 def test_acceptance_counts_from_a_per_request_histogram() -> None:
-    from eagle3_assets.evaluation.online_metrics import acceptance_counts
+    from eagle3_assets.evaluation.acceptance_counts import acceptance_counts
 
     # vLLM's metrics.speculative_decoding: 5 verify steps accepted 0, 2 accepted 1, 1 accepted 2, 2 accepted 3
     counts = acceptance_counts({"acceptance_histogram": [5, 2, 1, 2], "num_draft_tokens": 30}, K)

@@ -27,7 +27,14 @@ from eagle3_assets.evaluation.evaluation_report import (
     speedup_interval,
     speedup_verdict,
 )
-from eagle3_assets.evaluation.online_metrics import OnlineConfig, Prompt, evaluate_online, generate_paired, paired_order
+from eagle3_assets.evaluation.online_metrics import (
+    OnlineConfig,
+    Prompt,
+    evaluate_online,
+    generate_paired,
+    paired_order,
+    request_seed,
+)
 from support.chat_stub import ChatHandler, chat_completion
 from support.common import stub_http_server
 
@@ -87,7 +94,7 @@ def test_plain_first_on_an_even_index_the_draft_first_on_an_odd() -> None:
 
 @contextmanager
 def _stub(side: str, seen: list[tuple[str, str]], delay_s: float = 0.0, fail: set[tuple[str, int]] | None = None,
-          speculative: bool = False) -> Iterator[str]:  # fmt: skip
+          speculative: bool = False, bodies: list[dict[str, Any]] | None = None) -> Iterator[str]:  # fmt: skip
     """A chat-completions server appending (``side``, prompt content) to ``seen`` as each request arrives; ``delay_s``
     before a reply of 8 tokens; a 500 for (content, n) in ``fail``: the n-th request (from 0) with that content."""
     lock = threading.Lock()
@@ -98,6 +105,8 @@ def _stub(side: str, seen: list[tuple[str, str]], delay_s: float = 0.0, fail: se
             content = request["messages"][-1]["content"]
             with lock:
                 seen.append((side, content))
+                if bodies is not None:
+                    bodies.append(request)
                 n = counts[content] = counts.get(content, -1) + 1
             if (content, n) in (fail or set()):
                 body = json.dumps({"error": {"message": "boom"}}).encode()
@@ -136,11 +145,19 @@ def test_the_speed_batch_alternates_between_the_two_servers() -> None:
     assert plain_run.seconds == pytest.approx(sum(g.seconds or 0 for g in plain_run.generations))
 
 
-def _evaluate(seen: list[tuple[str, str]], tmp_path: Path, prompts: int, speed: int | None = None, **stubs: Any) -> Any:
+def _evaluate(
+    seen: list[tuple[str, str]],
+    tmp_path: Path,
+    prompts: int,
+    speed: int | None = None,
+    sampled: float = 0.0,
+    **stubs: Any,
+) -> Any:
+    """evaluate_online against two stubs; greedy only unless ``sampled`` (the tests of the speed batch count every
+    request, so the temperature batch is their own test's)."""
     speed_prompts = prompts if speed is None else speed
-    config = OnlineConfig(
-        k=K, max_tokens=8, concurrency=prompts, speed_prompts=speed_prompts, request_timeout_s=10, served_model_name="m"
-    )
+    config = OnlineConfig(k=K, max_tokens=8, concurrency=prompts, speed_prompts=speed_prompts, request_timeout_s=10,
+                          served_model_name="m", sampled_temperature=sampled)  # fmt: skip
     with (
         _stub("plain", seen, **stubs.get("plain", {})) as plain,
         _stub("draft", seen, speculative=True, **stubs.get("draft", {})) as draft,
@@ -204,6 +221,23 @@ def test_a_failed_draft_speed_request_leaves_its_prompt_out_and_withholds_the_sp
     assert report.speed_failed("trained", "held-out") == 1
     assert report.speedup("trained", "held-out") is None and report.verdict("trained", "held-out") == "withheld"
     assert "| - (1 speed request failed) | withheld |" in report.markdown()
+
+
+def test_the_trained_draft_is_measured_again_at_the_sampled_temperature(tmp_path: Path) -> None:
+    """After its greedy batches, the trained draft's server gets the acceptance batch again at the temperature, each
+    request seeded by its sample id; the row carries both figures and the by-length buckets."""
+    seen: list[tuple[str, str]] = []
+    bodies: list[dict[str, Any]] = []
+    result = _evaluate(seen, tmp_path, 3, speed=0, sampled=0.7, draft={"bodies": bodies})
+    assert [side for side, _ in seen] == ["plain"] * 3 + ["draft"] * 6
+    sampled = [b for b in bodies if b.get("temperature")]
+    assert len(sampled) == 3 and all(b["temperature"] == 0.7 for b in sampled)
+    assert sorted(b["seed"] for b in sampled) == sorted(request_seed(f"p{i}") for i in range(3))
+    assert all("seed" not in b and not b.get("temperature") for b in bodies if b not in sampled)
+    (stats,) = result.stats
+    assert stats.extra["sampled"]["temperature"] == 0.7 and stats.extra["sampled"]["prompts"] == 3
+    assert stats.extra["sampled"]["drafts"] == stats.drafts  # the stub accepts the same at any temperature
+    assert set(stats.extra["by_prompt_length"]) == {"short"}
 
 
 def test_no_speed_batch_without_speed_prompts(tmp_path: Path) -> None:
