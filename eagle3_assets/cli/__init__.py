@@ -63,7 +63,6 @@ Materialize) or use `dagster asset materialize --select ASSET --partition KEY`."
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-
     if not args.missing:
         print(BACKFILL_WITHOUT_MISSING, file=sys.stderr)
         return 2
@@ -108,7 +107,6 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-
     layout = _layout(args)
     with _instance() as instance:
         report = sync(instance, layout, dry_run=args.dry_run, include_failed=args.include_failed)
@@ -161,7 +159,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-
     layout = _layout(args)
     with _instance() as instance:
         rows = status.partition_table(instance, layout)
@@ -199,7 +196,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
-
     print(write_sample(Path(args.out), args.count, args.seed))
     return 0
 
@@ -220,7 +216,6 @@ def cmd_build_verifier(args: argparse.Namespace) -> int:
 
 def _forward(module: str, function: str = "main") -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-
         try:
             target = importlib.import_module(module)
         except ModuleNotFoundError as error:
@@ -247,7 +242,6 @@ FORWARDED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-
     parser = argparse.ArgumentParser(prog="eagle3", description="Operate the eagle3-assets pipeline.")
     parser.add_argument("--version", action="version", version=f"eagle3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -138,7 +138,6 @@ def _verifier_sources(args: argparse.Namespace, env: Any) -> tuple[Path | None, 
 
 
 def _model_and_tokenizer(args: argparse.Namespace, env: Any) -> tuple[planning.ModelShape, Any, str]:
-
     folder, gguf = _verifier_sources(args, env)
     layer_ids = (
         parse_layer_ids("--layer-ids", args.layer_ids)

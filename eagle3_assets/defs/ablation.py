@@ -101,7 +101,6 @@ def regeneration_ablation(
     verifier: VerifierResource,
     inference_server: InferenceServerResource,
 ) -> dg.MaterializeResult:
-
     train = TrainConfig(
         ttt_steps=config.k, num_layers=config.num_layers, device=verifier.device, precision=verifier.precision
     )

@@ -77,7 +77,6 @@ class VocabMappingRunConfig(SettingsConfig):
 def vocab_mapping(
     config: VocabMappingRunConfig, data_store: DataStoreResource, verifier: VerifierResource
 ) -> dg.MaterializeResult:
-
     verifier_config = json.loads((verifier.resolved_path() / "config.json").read_text())
     train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     result = build_vocab_mapping(
@@ -151,7 +150,6 @@ class DraftModelRunConfig(SettingsConfig):
 def configured_layer_ids(verifier: VerifierResource) -> tuple[int, ...] | None:
     """The aux layer ids the hidden_states asset extracts with now (EAGLE3_LAYER_IDS, else EAGLE-3's default for
     this verifier): training refuses partitions extracted at others. None without a verifier path."""
-
     if not verifier.path.strip():
         return None
     layers = verifier_shape(verifier.resolved_path()).num_layers
@@ -185,7 +183,6 @@ def _train_under_pipes(
 ) -> "TrainResult":
     """``train_config.procs`` torchrun ranks under Dagster Pipes: rank 0's logs and per-epoch metrics stream into
     this run; a failed rank fails the run with the message of :func:`~eagle3_assets.training.launch.failure_message`."""
-
     layout = data_store.layout
     with tempfile.TemporaryDirectory(prefix="eagle3-train-") as work:
         spec = TrainSpec(
@@ -210,7 +207,6 @@ def _train_under_pipes(
 
 def _exit_code(text: str) -> int | None:
     """torchrun's exit code from Pipes' error text ("External execution process failed with code N"), else None."""
-
     match = re.search(r"process failed with code (-?\d+)", text)
     return int(match.group(1)) if match else None
 
@@ -232,7 +228,6 @@ def draft_model(
     data_store: DataStoreResource,
     verifier: VerifierResource,
 ) -> dg.MaterializeResult:
-
     train_keys, val_key = split_partitions(hidden_state_partitions(data_store), config.val_partition)
     core_config = train_config(config, verifier)
     if core_config.procs == 1:
@@ -247,7 +242,6 @@ def draft_model(
 
 def draft_model_metadata(result: "TrainResult") -> dict[str, Any]:
     """The draft's materialization metadata: the run's extent, losses and acceptance estimates per epoch."""
-
     last_accuracy = result.val_accuracy[-1] if result.val_accuracy else []
     per_epoch = metadata.table(
         (

@@ -110,7 +110,6 @@ def evaluation_options(
 def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
     """Where the offline evaluation computes the states a held-out partition built for online training does not
     store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
-
     return extraction_side(
         verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
         verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
@@ -119,7 +118,6 @@ def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
 
 def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
     """One sortable row per (draft, method): acceptance length, acceptance per position, speed."""
-
     positions = [f"acc_at_{j + 1}" for j in range(report.k)]
     columns = [
         ("prompt_set", "string", "held-out (the held-out partition) or humaneval (HumanEval's problems)"),
@@ -180,7 +178,6 @@ def draft_evaluation(
     verifier: VerifierResource,
     evaluation_servers: EvaluationServersResource,
 ) -> dg.MaterializeResult:
-
     layout = data_store.layout
     verifier_path = verifier.resolved_path() if verifier.path.strip() else None
     options = evaluation_options(config, evaluation_servers, layout, verifier)
@@ -192,7 +189,6 @@ def draft_evaluation(
 def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dict[str, Any]:
     """The evaluation's materialization metadata: the table, acceptance and speed-up per draft, method and prompt
     set, online vs offline agreement, and acceptance per draft position."""
-
     metadata: dict[str, Any] = {
         "table": evaluation_table(report),
         "dagster/row_count": dg.MetadataValue.int(len(report.stats)),

@@ -145,7 +145,6 @@ def hidden_states_metadata(
 ) -> dict[str, Any]:
     """A partition's materialization metadata: its index table, what was stored, throughput and sequence lengths.
     ``index_path``: the index of the version the run pinned (default: the current one)."""
-
     index_path = index_path or result.index_path
     lengths = pl.read_parquet(index_path)["seq_len"].to_list()
     return {

@@ -82,7 +82,6 @@ def check_writable_dir(root: Path, key: str, value: str) -> None:
     """Write (and remove) a probe file in ``root``, or in its nearest existing ancestor when it does not exist yet
     (nothing is left behind): a run fails at its start with the key and the remedy, not with a raw OSError on the
     first lock file (``_locks``) deep inside a step."""
-
     folder = root.absolute()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -175,7 +174,6 @@ class PromptDatasetResource(SettingsResource):
 
     def dataset_file(self) -> Path:
         """The dataset file (``package:NAME`` resolved); ConfigError naming EAGLE3_PROMPTS_PATH if there is none."""
-
         try:
             path = resolve_dataset_path(self.path)
         except FileNotFoundError as error:

@@ -62,7 +62,6 @@ def synthetic_responses(
     data_store: DataStoreResource,
     inference_server: InferenceServerResource,
 ):
-
     layout = data_store.layout
     key = partition_key_of(context)
     prompts = partition_prompts(layout, key)
@@ -95,7 +94,6 @@ def synthetic_responses(
 
 def responses_metadata(result: "GenerationResult") -> dict[str, Any]:
     """A partition's materialization metadata: its table, row outcomes, throughput and completion lengths."""
-
     key = result.partition_key
     lengths = pl.read_parquet(result.path, columns=["completion_tokens", "status"]).filter(pl.col("status") == "ok")
     completion_lengths = lengths["completion_tokens"].drop_nulls().to_list()

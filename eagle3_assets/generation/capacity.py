@@ -374,7 +374,6 @@ class CapacityMonitor:
         endpoint.cap = server.update(endpoint.outstanding, load, first)
 
     async def _fetch(self, url: str) -> tuple[int, str] | None:
-
         try:
             # the whole poll, every byte of the page included, within its deadline and PAGE_LIMIT_BYTES: a page that
             # trickles or never ends is no reading, not a stalled poller or a run out of memory

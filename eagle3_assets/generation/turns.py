@@ -240,7 +240,6 @@ def _read_store(
     """(the stored turn records that answer the current requests, the others: kept aside, never dropped).
 
     A store that cannot be read fails the run naming it; one proven corrupt is archived (``run_parts``)."""
-
     frame = read_finished_parquet(path, archive_dir, log)
     if frame is None:
         return {}, {}
@@ -262,7 +261,6 @@ async def _pool(
     line_dir: Path,
 ) -> EngineStats:
     """Run the first pending turn of every conversation; each ok turn queues the conversation's next one."""
-
     transports = make_transports(config)
     engine: Engine | None = None
 
@@ -290,7 +288,6 @@ def generate_all_turns(
     prompts: Sequence[PromptToGenerate], partition_key: str, layout: DataLayout, config: GenerationConfig, log: Log
 ) -> Any:
     """``generate_partition`` for ``regenerate == "all-turns"``: one row per conversation, written atomically."""
-
     started = time.monotonic()
     final_path, journal_path = layout.responses_path(partition_key), layout.responses_in_progress_path(partition_key)
     store_path = turns_store_path(layout, partition_key)

@@ -263,7 +263,6 @@ def _finish(
 ) -> tuple[int, Path]:
     """The training dataset, token frequencies, metadata, index and lineage record in the staging folder, then
     the partition published whole with one atomic switch; returns the sample files' bytes and the folder."""
-
     _save_dataset(staging, rows)
     _save_token_freq(staging, rows)
     write_json_atomic({**meta, "samples": len(rows)}, staging / META_FILE)

@@ -40,7 +40,6 @@ def version_folder(layout: DataLayout, partition_key: str, data_dir: Path | None
 
 def version_index_path(layout: DataLayout, partition_key: str, data_dir: Path) -> Path:
     """The index of the version ``data_dir``; a folder of the earlier layout keeps it beside the folder."""
-
     own = data_dir / INDEX_FILE
     return own if own.exists() else layout.hidden_states_index_path(partition_key)
 

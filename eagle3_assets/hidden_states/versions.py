@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 
 def hidden_states_staging_dir(layout: DataLayout, partition_key: str) -> Path:
-
     return publish.staging_dir(layout, partition_key)
 
 
@@ -126,7 +125,6 @@ def publish_hidden_states(
     """Make the complete build (index and lineage written into it) the partition's current version with one
     atomic switch (``publish.publish``); returns the partition's folder (its pointer). ``files_synced_in``: the
     subfolders whose files were each fsynced when written (the per-sample files)."""
-
     return publish.publish(layout, partition_key, staging, _STAGING_INPUTS, files_synced_in)
 
 
@@ -152,7 +150,6 @@ def stale_hidden_states(
     ``dirs``: the version folder each key's reader pinned (its lineage is judged, not the pointer's now).
     ``responses_required`` False: a partition whose responses file is absent is not stale for that (states copied
     to another machine to train there: nothing contradicts them; status and backfill still report it)."""
-
     stale: dict[str, str] = {}
     for key in publish.known_keys(layout) if keys is None else keys:
         pinned = (dirs or {}).get(key)

@@ -233,7 +233,6 @@ class VLLMBackend:
         return pool, clients, model
 
     def extract(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-
         future = asyncio.run_coroutine_threadsafe(self._extract_all([list(ids) for ids in batch]), self._loop)
         try:
             while (

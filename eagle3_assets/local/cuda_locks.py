@@ -225,7 +225,6 @@ def write_locks() -> None:
 def check_locks() -> list[Resolution]:
     """Resolve the project venv and the vLLM venv of the CUDA path as the Makefile installs them; raises
     ResolutionError, or AssertionError when the resolver picks a version the lock does not pin."""
-
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
     constraints = [line.strip() for line in CUDA_CONSTRAINTS.read_text(encoding="utf-8").splitlines()]

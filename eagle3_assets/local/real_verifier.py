@@ -86,7 +86,6 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def _fingerprint(folder: Path) -> str:
-
     return verifier_fingerprint(folder)
 
 

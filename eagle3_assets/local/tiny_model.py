@@ -289,7 +289,6 @@ def build_tiny_model(
 def cached_tiny_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, vocab_size: int = 4096) -> Path:
     """``build_tiny_model`` once per machine and shape, under the temp dir: the benchmarks, the GPU check and the
     tests share it. Built into a private folder and renamed into place, so concurrent users never see half a model."""
-
     cache = Path(tempfile.gettempdir()) / "eagle3-assets-cache"
     final = cache / f"tiny-verifier-s{seed}-l{num_layers}-h{hidden_size}-v{vocab_size}"
     if (final / "config.json").exists():

@@ -71,7 +71,6 @@ def _config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
 
 def _extraction_config_from_args(args: argparse.Namespace) -> VLLMServerConfig:
     """``--hidden-states``: the verifier in extraction mode (the ``vllm`` hidden-states backend's server)."""
-
     if args.speculative_config:
         raise SystemExit("error: --hidden-states sets its own --speculative-config; drop one of the two")
     shape = verifier_shape(args.model)

@@ -196,7 +196,6 @@ def backfill_targets(instance: dg.DagsterInstance, backfill_id: str) -> dict[str
 
 def daemon_running(instance: dg.DagsterInstance, within_s: float = 120.0) -> bool:
     """Whether a dagster-daemon sent a backfill heartbeat recently (else a backfill would just wait)."""
-
     beats = instance.get_daemon_heartbeats()
     beat = beats.get("BACKFILL")
     return beat is not None and time.time() - beat.timestamp < within_s

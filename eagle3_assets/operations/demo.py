@@ -338,7 +338,6 @@ def stop_on_sigterm() -> None:
 
 def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
     """The run's measurement file: its settings are the environment and run config the demo gave its stages."""
-
     env = REAL_ENV if args.real else DEMO_ENV
     settings_given = {
         "environment": {key: os.environ.get(key) for key in sorted({*env, "EAGLE3_PROMPTS_LIMIT", "EAGLE3_PRECISION"})},
@@ -408,7 +407,6 @@ def _setup(
 
 def _training_line(data_dir: Path, real: bool) -> str:
     """How much the draft was trained on and, for the real demo, where that sits against the recipe's point."""
-
     try:
         history = json.loads((data_dir / "draft_model" / HISTORY_FILE).read_text())
     except (OSError, ValueError):

@@ -138,7 +138,6 @@ class MeasurementFile:
 
     def finish_run(self, data_dir: Path) -> Path:
         """:meth:`finish` with what an ``eagle3 demo`` run left in ``data_dir``."""
-
         layout = storage.DataLayout.at(data_dir)
         try:
             counts = {"rows": storage.partition_row_counts(layout), "responses": storage.response_status_counts(layout)}

@@ -115,7 +115,6 @@ def partition_table(
 
 
 def _failed_checks(layout: DataLayout, asset: str, partition: str) -> str:
-
     lineage = PartitionLineage.load(layout, asset, partition)
     if lineage is None or not lineage.checks or lineage.checks_passed:
         return ""

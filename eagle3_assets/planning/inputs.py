@@ -159,7 +159,6 @@ def dataset_prompts(
     """The dataset's prompts as ``raw_prompts`` keeps them, with their token counts: the first ``tokenize_max``
     tokenized with ``count_tokens``, the rest estimated from their characters at the ratio measured on those (or at
     ``chars_per_token`` when there is no tokenizer). Memory: the scan's per-sample digests and two ints a sample."""
-
     if count_tokens is None and not chars_per_token:
         raise PlanError("prompt tokens: give a tokenizer (the model folder) or a chars-per-token ratio")
     scan = DatasetScan(path, max_prompt_chars=max_prompt_chars, truncated=truncated, turns_kept=turns, limit=limit)

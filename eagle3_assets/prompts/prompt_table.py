@@ -146,7 +146,6 @@ def build_prompt_table(
     would move samples between partitions that may already be generated, so it is refused while
     downstream partitions exist.
     """
-
     dataset_file = prompt_files.resolve_dataset_path(dataset_path)
     scan = DatasetScan(dataset_file, **scan_options)
     positions = _Positions(_previous_positions(layout, partition_size))

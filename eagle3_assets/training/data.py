@@ -24,7 +24,6 @@ SINGLE_PROCESS = Ranks()
 
 def _require_state_files(data_dir: Path, samples: int) -> None:
     """Stored training needs every sample's file: say which partition lacks how many, and the two ways on."""
-
     missing = [row for row in range(samples) if not hs_file(data_dir, row).is_file()]
     if missing:
         raise FileNotFoundError(

@@ -65,7 +65,6 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
     """``torchrun`` (as ``python -m torch.distributed.run``, so it is this interpreter's) for ``procs`` local ranks,
     behind the parent-death wrapper: torchrun gets SIGTERM (and stops its ranks) when the process that starts it
     dies, SIGKILL included, so a killed step leaves no training running and no ``draft_model`` lock held."""
-
     return with_parent_death_signal([
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(procs), "--max-restarts", "0",
@@ -77,7 +76,6 @@ def torchrun_command(spec_path: Path, procs: int, port: int) -> list[str]:
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The workers' environment: this package importable, gloo on the loopback interface, one OpenMP thread pool
     per rank sized by the training config (not torchrun's default of 1 thread with a warning)."""
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -104,7 +102,6 @@ def run_training_processes(
     spec: TrainSpec, procs: int, work_dir: Path, env: dict[str, str] | None = None
 ) -> TrainResult:
     """Run the torchrun job to completion without Dagster (tests, scripts); raise :class:`TrainingFailed` on failure."""
-
     spec_path = spec.write(work_dir / "train_spec.json")
     process = subprocess.Popen(torchrun_command(spec_path, procs, find_free_port()), env=worker_env(env))
     try:

@@ -405,7 +405,6 @@ def train_draft(
     In a torchrun worker (torch.distributed initialized) this is one rank of the job; see the module docstring.
     ``on_epoch`` (rank 0) receives each epoch's metrics as they are measured.
     """
-
     config = config or TrainConfig()
     config.validate()
     started = time.perf_counter()

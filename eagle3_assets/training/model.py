@@ -46,7 +46,6 @@ def build_draft(
     mapping: tuple[Any, Any] | None,
 ) -> Any:
     """A freshly initialized EAGLE-3 draft for this verifier, built the way ``speculators train`` builds it."""
-
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=str(verifier_path),
         num_layers=config.num_layers,
@@ -126,7 +125,6 @@ def init_token_copy(model: Any) -> None:
 
 
 def trainer_kwargs(config: TrainConfig) -> dict[str, Any]:
-
     train_kwargs, _val_kwargs = eagle3_classes().Eagle3DraftModel.get_trainer_kwargs(
         loss_fn=config.loss_fn,
         loss_implementation="eager",

@@ -101,7 +101,6 @@ class OnlineDataset:
     """One partition read through speculators' ``ArrowDataset``, its states fetched a batch at a time."""
 
     def __init__(self, datapath: Path, max_len: int, dtype: Any, extraction: OnlineExtraction) -> None:
-
         self.extraction = extraction
         self.transfer = _BatchTransfer(Path(datapath) / HS_SUBDIR, read_stored=extraction.source == "hybrid")
         self.inner = offline_data().ArrowDataset(
@@ -159,7 +158,6 @@ class OnlineConcat:
         return self.offsets[-1]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-
         groups: dict[int, list[tuple[int, int]]] = {}
         for position, index in enumerate(indices):
             part = bisect.bisect_right(self.offsets, index) - 1
@@ -239,7 +237,6 @@ def serving(extraction: OnlineExtraction, storage: Path) -> Iterator[OnlineExtra
 
 def open_backend(extraction: OnlineExtraction) -> Any:
     """The extraction backend that computes states for token ids (float32, the partitions' layers)."""
-
     x = extraction
     return make_backend(
         x.backend, x.verifier_path, list(x.layer_ids), "float32", x.device, x.batch_tokens, vllm_options=x.vllm,
@@ -275,7 +272,6 @@ def extraction_side(
     """The extraction side's settings (``EAGLE3_HIDDEN_STATES_*``), the layers left to :func:`for_partition`. The
     servers' API key is read here from ``EAGLE3_API_KEY``: it travels to spawned workers in memory (pickled), never
     in a saved config."""
-
     vllm = VLLMBackendOptions(
         urls=tuple(urls), storage_path=storage, api_key=read_api_key(),
         outage_budget_s=OUTAGE_BUDGET_S if outage_budget_s is None else outage_budget_s,

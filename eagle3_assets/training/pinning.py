@@ -40,7 +40,6 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
     publishes a new version beside it and never swaps or removes these files (publish.py). Rank 0 pins the
     current versions; the other ranks pin the very same folders (a publish between two ranks' look-ups
     cannot give them different data)."""
-
     if ranks.main:
         with publish.pinned(layout, keys) as dirs:
             _broadcast(ranks, {k: str(v) for k, v in dirs.items()})
@@ -54,7 +53,6 @@ def pinned_partitions(layout: DataLayout, keys: Sequence[str], ranks: Ranks) -> 
 def partition_meta(layout: DataLayout, keys: Sequence[str], dirs: Mapping[str, Path] | None = None) -> dict[str, Any]:
     """The partitions' shared extraction metadata (of the pinned ``dirs`` when given); an error names the two
     that disagree."""
-
     metas = {}
     for key in keys:
         folder = (dirs or {}).get(key) or layout.hidden_states_dir(key)

@@ -120,7 +120,6 @@ def mapping_folder_digest(folder: Path, loaded: bytes | None) -> str:
     concurrent ``vocab_mapping`` run may have rebuilt. The other files (the counts and summary the mapping was built
     from) are read now, as before: a rebuild in between only makes the fingerprint match nothing, and the run
     starts fresh rather than resuming a draft of another vocabulary."""
-
     hashes: dict[str, str] = {}
     if loaded is not None:
         hashes[MAPPING_FILE] = hashlib.sha256(loaded).hexdigest()
@@ -137,7 +136,6 @@ def fingerprint_part(layout: DataLayout, loaded: LoadedVocabMapping | None) -> s
     """What a training run's checkpoint fingerprint records for the vocabulary it trained with (``loaded``: what
     :func:`read_vocab_mapping` returned): the loaded mapping's :func:`mapping_folder_digest`, or, when it loaded
     none, that of the folder's other files, or ``lineage.NO_VOCAB_MAPPING`` when there is no folder."""
-
     if loaded is not None:
         return loaded.digest
     if not layout.vocab_mapping_dir.is_dir():
