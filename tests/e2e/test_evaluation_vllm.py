@@ -1,5 +1,6 @@
 """draft_evaluation against the real CPU vLLM: greedy outputs with an EAGLE-3 draft equal the plain verifier's, and the
-per-request speculative metrics the online evaluation counts (a server started with a draft reports them).
+per-request speculative metrics the online evaluation counts (a server started with a draft reports them, greedy and
+sampled).
 
 The plain server is the session's shared ``vllm_server``; the speculative one needs its own start (~130 s).
 """
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.evaluation.acceptance_counts import by_prompt_length
 from eagle3_assets.evaluation.online_metrics import (
     OnlineConfig,
     Prompt,
@@ -50,6 +52,8 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     assert plain.counters["drafts"] == 0  # no speculation on the plain server
     with local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
         spec = measure(server.base_url, server.model_name, prompts, config, speculative=True)
+        # sampling: vLLM's rejection sampling reports the same per-request metrics, for seeded requests
+        sampled = measure(server.base_url, server.model_name, prompts, config, speculative=True, temperature=0.7)
 
     assert all(g.token_ids for g in plain.generations + spec.generations), "vLLM returned no token ids"
     assert mismatched(plain.generations, spec.generations) == []
@@ -58,3 +62,8 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     assert len(stats.accepted_per_position) == K
     assert sum(stats.accepted_per_position) == stats.accepted_tokens
     assert 1.0 <= stats.mean_acceptance_length < 1.5  # a random draft is accepted ~never
+
+    assert not sampled.failures and sampled.counters["drafts"] > 0
+    assert all(g.prompt_tokens for g in spec.generations + sampled.generations), "vLLM returned no prompt tokens"
+    buckets = by_prompt_length(spec.generations, K)
+    assert sum(b["drafts"] for b in buckets.values()) == stats.drafts
