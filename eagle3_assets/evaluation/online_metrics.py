@@ -9,7 +9,8 @@ carry the generation setting's API key. Greedy outputs with a draft must equal t
 (speculative decoding is lossless at temperature 0): any difference is a bug, reported per prompt.
 
 Per prompt set, two kinds of batch. The *acceptance* batch: every prompt, ``concurrency`` at a time, on the plain
-verifier and on each draft's server (acceptance does not depend on the batch). The *paired speed* batch, per draft:
+verifier and on each draft's server (acceptance does not depend on the batch). The *paired speed* batch, for the
+trained draft (the first; an untrained baseline never pays, so its speed is not measured):
 the plain verifier's server stays up beside each draft's (a local one is started once, stopped after the last
 draft), and each of the first ``speed_prompts`` prompts goes once to each server, one request at a time (batch 1,
 where decoding is latency-bound and drafts pay off), the plain verifier first on an even index and the draft first
@@ -73,7 +74,7 @@ class OnlineConfig:
     max_tokens: int = 128
     # acceptance does not depend on the batch: each prompt set's acceptance batch goes out this many at a time
     concurrency: int = 64
-    # the paired speed batch: the first N prompts of each set, each sent to the plain verifier and to the draft, one
+    # the trained draft's paired speed batch: each set's first N prompts, each sent to the plain verifier and to it, one
     # request at a time (batch 1: where decoding is latency-bound and drafts pay off), alternating which goes
     # first; the speed-up is the median per-prompt ratio with a 95% bootstrap interval; 0: no speed measurement
     speed_prompts: int = 32
@@ -396,8 +397,8 @@ def evaluate_online(
     config: OnlineConfig,
     log: Callable[[str], None] | None = None,
 ) -> OnlineResult:
-    """The plain verifier's acceptance batches, then each draft's (label -> speculators draft folder) and its paired
-    speed batch against the plain verifier, on every prompt set (name -> prompts).
+    """The plain verifier's acceptance batches, then each draft's (label -> speculators draft folder), and the first
+    (trained) draft's paired speed batch against the plain verifier, on every prompt set (name -> prompts).
 
     With ``config.plain_url`` / ``config.draft_url`` set, those servers are used (the trained draft is the first
     label); every other one is started locally (with ``config.reasoning_parser``): the plain verifier's once, kept up
@@ -449,19 +450,19 @@ def evaluate_online(
         for i, (label, draft) in enumerate(drafts.items()):
             with contextlib.ExitStack() as draft_server:
                 draft_url = serve(draft_server, label, Path(draft), config.draft_url if i == 0 else None)
+                trained = i == 0  # the rest are baselines: an untrained draft never pays, so no speed or sampled batch
                 runs = {set_name: acceptance(label, draft_url, set_name, True) for set_name in prompt_sets}
                 for set_name, run in runs.items():
                     reference, other = list(plain[set_name].generations), list(run.generations)
                     plain_run = draft_run = None
-                    if config.speed_prompts > 0:
+                    if config.speed_prompts > 0 and trained:
                         plain_run, draft_run = paired(plain_url, draft_url, label, set_name)
                         plain_speed[set_name].append(plain_run)
                         reference, other = reference + plain_run.generations, other + draft_run.generations
                     s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_speed=plain_run)
-                    if i == 0 and config.sampled_temperature > 0:
+                    if trained and config.sampled_temperature > 0:
                         s.extra["sampled"] = sampled(draft_url, label, set_name)
-                    bad = mismatched(reference, other)
-                    mismatches[set_name][label] = sorted(set(bad), key=bad.index)
+                    mismatches[set_name][label] = list(dict.fromkeys(mismatched(reference, other)))
                     say(
                         f"online [{label}] {set_name}: mean acceptance length {s.mean_acceptance_length:.3f} over "
                         f"{s.drafts} drafts, {len(mismatches[set_name][label])} greedy mismatches"

@@ -7,6 +7,7 @@ arrive, in one list shared by both."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -14,7 +15,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -123,6 +126,16 @@ def _stub(side: str, seen: list[tuple[str, str]], delay_s: float = 0.0, fail: se
 
     with stub_http_server(Handler) as url:
         yield url
+
+
+@contextlib.contextmanager
+def _serving(url: str) -> Iterator[Any]:
+    yield SimpleNamespace(base_url=url, startup_s=0.0)
+
+
+def _running_at(url: str) -> Any:
+    """A stand-in for ``local_server``: every server it "starts" is the one at ``url``."""
+    return lambda *args, **kwargs: _serving(url)
 
 
 def _prompts(n: int) -> list[Prompt]:
@@ -238,6 +251,26 @@ def test_the_trained_draft_is_measured_again_at_the_sampled_temperature(tmp_path
     assert stats.extra["sampled"]["temperature"] == 0.7 and stats.extra["sampled"]["prompts"] == 3
     assert stats.extra["sampled"]["drafts"] == stats.drafts  # the stub accepts the same at any temperature
     assert set(stats.extra["by_prompt_length"]) == {"short"}
+
+
+def test_only_the_trained_draft_gets_a_speed_batch(tmp_path: Path) -> None:
+    """The untrained baseline's acceptance is measured, its speed is not (it never pays; pairing it doubled the
+    batch-1 requests, the slowest part of an evaluation on a CPU)."""
+    seen: list[tuple[str, str]] = []
+    config = OnlineConfig(k=K, max_tokens=8, concurrency=3, speed_prompts=3, request_timeout_s=10,
+                          served_model_name="m", sampled_temperature=0.0)  # fmt: skip
+    with _stub("plain", seen) as plain, _stub("draft", seen, speculative=True) as draft:
+        config.plain_url, config.draft_url = plain, draft
+        drafts = {"trained": tmp_path, "untrained": tmp_path}
+        # the untrained draft gets a local server: stand the stub in for it
+        with mock.patch("eagle3_assets.evaluation.online_metrics.local_server", _running_at(draft)):
+            result = evaluate_online(tmp_path, drafts, {"held-out": _prompts(3)}, config, lambda _: None)
+    sides = [side for side, _ in seen]
+    assert (
+        sides == ["plain"] * 3 + ["draft"] * 3 + ["plain", "draft", "draft", "plain", "plain", "draft"] + ["draft"] * 3
+    )
+    trained, untrained = result.stats
+    assert len(trained.speed_pairs) == 3 and untrained.speed_pairs == [] and untrained.drafts > 0
 
 
 def test_no_speed_batch_without_speed_prompts(tmp_path: Path) -> None:
