@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3_assets.core.storage import DataLayout
-    from eagle3_assets.defs.registry import env_value
+    from eagle3_assets.environment import env_value
     from eagle3_assets.evaluation.evaluate import DEFAULT_TOLERANCE, EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.evaluation_report import write_report
 

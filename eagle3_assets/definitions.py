@@ -10,11 +10,13 @@ inside their bodies, so the UI and the daemon load the code in a couple of secon
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dagster as dg
 
-from eagle3_assets.core.settings import REPO_ROOT
-from eagle3_assets.defs.automation import code_location_settings, with_automation
+from eagle3_assets.defs.automation import with_automation
 from eagle3_assets.defs.registry import default_resources
+from eagle3_assets.environment import code_location_settings
 
 
 def _unique(items: object) -> list:  # type: ignore[type-arg]
@@ -23,7 +25,7 @@ def _unique(items: object) -> list:  # type: ignore[type-arg]
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    found = dg.load_from_defs_folder(project_root=REPO_ROOT)
+    found = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
     assets, sensors = with_automation(_unique(found.assets), code_location_settings())
     return dg.Definitions(
         assets=assets,

@@ -56,7 +56,7 @@ ONLINE_FLAGS: tuple[tuple[str, str], ...] = (
         "(default %(default)g)",
     ),
 )
-# --NAME overrides the EvaluationServersResource setting NAME (EAGLE3_EVAL_*); empty: the server is started here
+# --NAME overrides the EvaluationServersSettings setting NAME (EAGLE3_EVAL_*); empty: the server is started here
 SERVER_FLAGS = ("plain_url", "draft_url", "served_model_name")
 
 
@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    # lazy: loads dagster (heavy), which only this path needs
-    from eagle3_assets.defs.evaluation import missing_states_extraction
-    from eagle3_assets.defs.registry import env_value
-    from eagle3_assets.defs.resources import EvaluationServersResource, VerifierResource
+    # lazy: the settings models and the evaluation import every stage (~2 s), which only this path needs
+    from eagle3_assets.environment import env_value
+    from eagle3_assets.evaluation.evaluate import missing_states_extraction
+    from eagle3_assets.evaluation.evaluation_settings import EvaluationServersSettings
+    from eagle3_assets.local.verifier_settings import VerifierSettings
 
     if args.offline_only and args.online_only:
         print("eagle3 evaluate: --offline-only and --online-only exclude each other", file=sys.stderr)
@@ -119,9 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     layout = DataLayout.at(args.data_dir or env_value("EAGLE3_DATA_DIR"))
-    settings.check_environ(EvaluationServersResource)  # a bad EAGLE3_EVAL_* value: the error naming it
-    settings.check_environ(VerifierResource)
-    servers = EvaluationServersResource.from_env()
+    settings.check_environ(EvaluationServersSettings)  # a bad EAGLE3_EVAL_* value: the error naming it
+    settings.check_environ(VerifierSettings)
+    servers = EvaluationServersSettings.from_env()
     try:
         prompt_sets = parse_prompt_sets("--prompt-sets", args.prompt_sets or servers.prompt_sets)
         parser = check_reasoning_parser(
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=servers.api_key(),
             log_dir=layout.evaluation_dir / "_logs",
         ),
-        extraction=missing_states_extraction(VerifierResource.from_env()),
+        extraction=missing_states_extraction(VerifierSettings.from_env()),
     )
     try:
         report = run_evaluation(

@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(env_value reading the effective settings, with `make demo-real`'s on top for --demo-real; run-config values)."""
-    # lazy: loads dagster (heavy), which only this path needs
-    from eagle3_assets.defs.registry import env_value
+    # lazy: the settings models import every stage (~1.6 s), which only this path needs
+    from eagle3_assets.environment import env_value
 
     run_config: dict[str, Any] = {
         "epochs": TrainConfig.epochs,

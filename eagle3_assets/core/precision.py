@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PRECISIONS = ("auto", "float32", "bfloat16")
+# EAGLE3_DEVICE's and EAGLE3_PRECISION's default, and every config's that carries them: follow the hardware (every
+# visible GPU, else the CPU; bf16 on GPUs, float32 on the CPU)
+AUTO = "auto"
+PRECISIONS = (AUTO, "float32", "bfloat16")
 PRECISION_KEY = "EAGLE3_PRECISION"
 # /proc/cpuinfo flag names of native bf16 arithmetic (Linux)
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

@@ -1,9 +1,13 @@
 """One declaration per setting, and the machinery that reads, validates and documents it (Dagster-free).
 
-Every setting is declared exactly once, as a pydantic field made by ``setting(...)`` on the Dagster class
-that uses it (a resource in ``eagle3_assets/defs/resources.py`` / ``defs/inference.py``, or an asset's run
-config). The field carries the typed default, the bounds, the description, the ``EAGLE3_*`` environment
-variable (if any) and an optional semantic check. From that one declaration come:
+Every setting is declared exactly once, as a pydantic field made by ``setting(...)`` on the Dagster-free settings
+model of the room that uses it (``SettingsModel`` subclasses: ``core.data_settings.DataStoreSettings``,
+``prompts.dataset_settings``, ``generation.inference_settings``, ``local.verifier_settings``,
+``evaluation.evaluation_settings``; ``eagle3_assets.environment`` lists them all). The field carries the typed
+default, the bounds, the description, the ``EAGLE3_*`` environment variable (if any) and an optional semantic check.
+The Dagster resources (``defs/resources.py``, ``defs/inference.py``) inherit those models and add only Dagster's
+lifecycle, so the CLI, the demo and the benchmarks read a setting without importing Dagster. From that one
+declaration come:
 
 - the launchpad's defaults: ``from_environ`` reads the environment variables when the definitions load
   and binds the valid values, so the UI shows the effective values and can override them per run (a value
@@ -12,14 +16,14 @@ variable (if any) and an optional semantic check. From that one declaration come
 - launch-time failure instead of load-time failure: a bad ``EAGLE3_*`` value is left out at load (the
   code location always loads) and ``check_environ`` raises the same ``ConfigError`` naming the key when a
   run that uses the resource starts (``SettingsResource.setup_for_execution``);
-- the same message for a bad launchpad value: ``validate_field`` wraps pydantic's validation of every
-  declared field and re-raises with the variable's name, the value and what it must be;
+- the same message for a bad launchpad value: ``SettingsModel`` wraps pydantic's validation of every
+  declared field (``validate_field``) and re-raises with the variable's name, the value and what it must be;
 - ``eagle3 config`` and ``eagle3 config --markdown`` (the README's configuration table): ``markdown_table``.
 
 Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME",
-description=..., gt=0, ...)`` to the resource that uses it (or to a new ``SettingsResource`` subclass
-listed in ``defs/registry.py`` ``settings_resources()``), read ``self.name`` where it is needed, and
-regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
+description=..., gt=0, ...)`` to the settings model that uses it (or to a new ``SettingsModel`` listed in
+``eagle3_assets.environment.settings_classes`` with its resource in ``defs/registry.py``), read ``self.name`` where
+it is needed, and regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlparse
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # the source checkout (or site-packages) holding the package: children put it on PYTHONPATH, git reads it
@@ -51,6 +55,14 @@ API_KEY_ENV = "EAGLE3_API_KEY"
 def read_api_key() -> str | None:
     """The secret in ``EAGLE3_API_KEY`` (never config, never logged or stored)."""
     return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+# The API key is no field (see API_KEY_ENV), so the configuration table gets its row from here.
+API_KEY_TABLE_ROW = (
+    f"| `{API_KEY_ENV}` | (empty) | secret, read when a run starts; never logged or stored | "
+    "API key for the server(s) (generation, extraction, online training and evaluation); never logged or stored. | "
+    "`settings.API_KEY_ENV` |"
+)
 
 
 class ConfigError(ValueError):
@@ -328,6 +340,22 @@ def validate_field(cls: type, value: Any, handler: Callable[[Any], Any], field_n
     if field.check is not None and result is not None:
         field.check(field.key, result)
     return result
+
+
+class SettingsModel(BaseModel):
+    """A Dagster-free model whose fields are declared settings: a bad value raises
+    ``ConfigError("KEY=value: what it must be")`` (never pydantic's text, which repeats the value's secrets)."""
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _name_the_key(cls, value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+        return validate_field(cls, value, handler, str(info.field_name))
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise as_config_error(error) from None
 
 
 # ------------------------------------------------------------------------------------------ environment

@@ -17,6 +17,7 @@ from eagle3_assets.defs.prompts import raw_prompts
 from eagle3_assets.defs.resources import DataStoreResource, SettingsConfig, VerifierResource
 from eagle3_assets.evaluation.ablation import VARIANTS, AblationConfig, ablation_folder, run_ablation
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
+from eagle3_assets.hidden_states.extract import HiddenStatesConfig
 from eagle3_assets.training import TrainConfig
 
 GROUP = "ablation"
@@ -61,15 +62,17 @@ class RegenerationAblationRunConfig(SettingsConfig):
         gt=0,
     )
     draft_vocab_size: int = setting(_DEFAULT.draft_vocab_size, description="Draft vocabulary size.", gt=0)
-    num_layers: int = setting(1, description="Draft decoder layers.", gt=0)
+    num_layers: int = setting(TrainConfig.num_layers, description="Draft decoder layers.", gt=0)
     k: int = setting(_DEFAULT.k, description="num_speculative_tokens (and TTT steps).", gt=0)
     online: bool = setting(_DEFAULT.online, description="Also measure acceptance in vLLM; false: offline only.")
-    max_tokens: int = setting(128, description="Online: max_tokens per request.", gt=0)
+    max_tokens: int = setting(OnlineConfig.max_tokens, description="Online: max_tokens per request.", gt=0)
     max_val_batches: int = setting(_DEFAULT.max_val_batches, description="Validation batches per epoch.", gt=0)
     offline_max_samples: int = setting(
         _DEFAULT.offline_max_samples or 64, description="Stored samples simulated offline per prompt set.", gt=0
     )
-    max_seq_len: int = setting(2048, description="Tokens kept per training sample (longer ones are cut).", gt=1)
+    max_seq_len: int = setting(
+        HiddenStatesConfig.max_seq_len, description="Tokens kept per training sample (longer ones are cut).", gt=1
+    )
 
 
 def ablation_config(config: RegenerationAblationRunConfig) -> AblationConfig:

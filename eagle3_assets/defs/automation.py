@@ -14,47 +14,17 @@ leaves automation off and logs a warning naming the key; the code location still
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
 
-from eagle3_assets.core import settings
-from eagle3_assets.core.settings import setting
-from eagle3_assets.defs.resources import SettingsConfig
+from eagle3_assets.environment import CodeLocationSettings
 
 logger = logging.getLogger(__name__)
 
 AUTOMATED_ASSETS = ("hidden_states",)
 SENSOR_NAME = "eagle3_automation"
-
-
-class CodeLocationSettings(SettingsConfig):
-    """Settings that shape the definitions themselves, so they are read when the code location loads."""
-
-    automation: bool = setting(
-        False,
-        env="EAGLE3_AUTOMATION",
-        description=(
-            "Declarative automation: `hidden_states` materializes a partition by itself once its "
-            "`synthetic_responses` partition lands and its blocking checks pass (the daemon of `make dev` runs it). "
-            "Read when the code location loads."
-        ),
-    )
-    automation_interval_s: int = setting(
-        30,
-        env="EAGLE3_AUTOMATION_INTERVAL_S",
-        description="Seconds between two evaluations of the automation conditions. Read when the code location loads.",
-        ge=5,
-    )
-
-
-def code_location_settings(environ: Mapping[str, str] | None = None) -> CodeLocationSettings:
-    """The environment's valid values; a bad one is logged (naming the key) and left at its default."""
-    values, errors = settings.from_environ(CodeLocationSettings, environ)
-    for error in errors:
-        logger.warning("%s; using the default", error)
-    return CodeLocationSettings(**values)
 
 
 def automation_condition() -> dg.AutomationCondition:

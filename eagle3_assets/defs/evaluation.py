@@ -17,15 +17,13 @@ from eagle3_assets.defs.resources import (
     SettingsConfig,
     VerifierResource,
 )
-from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
+from eagle3_assets.evaluation.evaluate import EvaluationOptions, missing_states_extraction, run_evaluation
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT
-from eagle3_assets.training.online_states import extraction_side
 
 if TYPE_CHECKING:
     from eagle3_assets.core.storage import DataLayout
     from eagle3_assets.evaluation.evaluation_report import EvaluationReport
-    from eagle3_assets.training.online_states import OnlineExtraction
 
 
 class DraftEvaluationRunConfig(SettingsConfig):
@@ -105,15 +103,6 @@ def evaluation_options(
         online_config=online_config,
         extraction=missing_states_extraction(verifier),
     )
-
-
-def missing_states_extraction(verifier: VerifierResource) -> "OnlineExtraction":
-    """Where the offline evaluation computes the states a held-out partition built for online training does not
-    store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
-    return extraction_side(
-        verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
-        verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
-    )  # fmt: skip
 
 
 def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:

@@ -11,17 +11,17 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eagle3_assets.core import lineage
+from eagle3_assets.core.precision import AUTO
 from eagle3_assets.core.storage import DataLayout
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, OnlineRun, write_report
 from eagle3_assets.evaluation.offline import draft_verifier_path, evaluate_offline, load_draft, save_untrained_draft
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
-
-if TYPE_CHECKING:
-    from eagle3_assets.training.online_states import OnlineExtraction
+from eagle3_assets.local.verifier_settings import VerifierSettings
+from eagle3_assets.training.online_states import OnlineExtraction, extraction_side
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EvaluationOptions:
     # the untrained baseline's init (TrainConfig.init); None: the one recorded in the draft's training history
     untrained_init: str | None = None
     tolerance: float = DEFAULT_TOLERANCE
-    device: str = "auto"  # where the offline simulation runs the drafts (EAGLE3_DEVICE, as training)
+    device: str = AUTO  # where the offline simulation runs the drafts (EAGLE3_DEVICE, as training)
     online_config: OnlineConfig = field(default_factory=OnlineConfig)
     # where the states of held-out samples the partition does not store are computed (a partition built for online
     # training: training.online.extraction_side); None: the offline evaluation reads stored states only
@@ -279,3 +279,12 @@ def run_evaluation(
         json_path, md_path = write_report(report, layout)
         say(f"evaluation report: {json_path} and {md_path}")
     return report
+
+
+def missing_states_extraction(verifier: VerifierSettings) -> OnlineExtraction:
+    """Where the offline evaluation computes the states a held-out partition built for online training does not
+    store: as online training does, with EAGLE3_HIDDEN_STATES_* (the verifier path is filled in when it runs)."""
+    return extraction_side(
+        verifier.hidden_states_backend, "", verifier.hidden_states_urls(), verifier.hidden_states_storage or None,
+        verifier.hidden_states_outage_budget_s, verifier.device, verifier.precision,
+    )  # fmt: skip

@@ -51,7 +51,7 @@ from eagle3_assets.evaluation.acceptance_counts import (
 )
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, pair_record
 from eagle3_assets.evaluation.prompt_sets import DEFAULT_PROMPT_SETS, HELD_OUT, Prompt, held_out_prompts
-from eagle3_assets.local import accelerator
+from eagle3_assets.local import accelerator, reasoning
 from eagle3_assets.net.bounded_http import capped_openai_http_client
 from eagle3_assets.net.credentials import display_url
 from eagle3_assets.net.ports import find_free_port
@@ -84,7 +84,7 @@ class OnlineConfig:
     python: Path | None = None  # the vLLM interpreter (default: $EAGLE3_VLLM_PYTHON or .venv-vllm)
     log_dir: Path | None = None
     # `auto` (the verifier's tokenizer decides), `none` or a vLLM parser: every server started here
-    reasoning_parser: str = "auto"
+    reasoning_parser: str = reasoning.AUTO
     # servers already running (e.g. a GPU box): the plain verifier, and a verifier serving the trained draft
     plain_url: str | None = None
     draft_url: str | None = None

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagle3_assets.core.precision import AUTO
 from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.core.storage import (
     DataLayout,
@@ -97,8 +98,8 @@ class HiddenStatesConfig:
     max_seq_len: int = 2048
     dtype: str = "bfloat16"  # storage dtype: "bfloat16", "float32" or "float8_e4m3fn" (storage_format.py)
     backend: str = "hf"
-    device: str = "auto"  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
-    precision: str = "auto"  # hf backend compute: "auto" (bf16 on GPUs, float32 on CPUs), "float32", "bfloat16"
+    device: str = AUTO  # hf backend: "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
+    precision: str = AUTO  # hf backend compute: "auto" (bf16 on GPUs, float32 on CPUs), "float32", "bfloat16"
     batch_tokens: int = BATCH_TOKENS
     num_threads: int | None = None  # torch intra-op threads; None: all cores but one (see backends.default_threads)
     vllm: VLLMBackendOptions = field(default_factory=VLLMBackendOptions)  # the vllm backend's servers

@@ -56,6 +56,7 @@ from eagle3_assets.hidden_states.connector_files import (
 )
 from eagle3_assets.hidden_states.hf_backend import BATCH_TOKENS
 from eagle3_assets.local.vllm_probe import probe_models
+from eagle3_assets.local.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
 from eagle3_assets.net.bounded_http import ReplyTooLarge, capped_openai_http_client
 from eagle3_assets.net.credentials import display_url, split_credentials
 from eagle3_assets.net.endpoints import EndpointPool
@@ -88,7 +89,7 @@ class VLLMBackendOptions:
     bench_s: float = 10.0  # first bench of a failing server
     outage_budget_s: float = OUTAGE_BUDGET_S  # every server down this long: the run stops
     max_model_len: int = 2049  # embedded server only: max_seq_len + the one generated token
-    startup_timeout_s: float = 600.0  # embedded server only
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # embedded server only
     # an embedded server another process started (online training's loader workers: the trainer started it), watched
     # by pid so that its death stops the run at once, as the embedded server's own backend does, not after the budget
     embedded_pid: int | None = None

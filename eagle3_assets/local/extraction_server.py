@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.local import accelerator
-from eagle3_assets.local.vllm_server import LocalVLLMServer, VLLMServerConfig
+from eagle3_assets.local.vllm_server import DEFAULT_STARTUP_TIMEOUT_S, LocalVLLMServer, VLLMServerConfig
 from eagle3_assets.net.ports import find_free_port
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"
@@ -83,7 +83,7 @@ def extraction_server_config(
     served_model_name: str | None = None,
     port: int | None = None,
     max_model_len: int = 2049,
-    startup_timeout_s: float = 600.0,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     log_dir: Path | None = None,
     python: Path | None = None,
     die_with_parent: bool = True,

@@ -40,6 +40,7 @@ from typing import Any
 
 from eagle3_assets.core import process_guard
 from eagle3_assets.core.settings import REPO_ROOT
+from eagle3_assets.local import reasoning
 from eagle3_assets.local.process_group import SIGINT_WAIT_S, only_zombies, stop_process_group
 from eagle3_assets.local.reasoning import resolve_reasoning_parser
 from eagle3_assets.local.vllm_probe import (
@@ -157,7 +158,7 @@ class VLLMServerConfig:
     kv_cache_gib: int = 1
     # `auto`: deepseek_r1 when the model's tokenizer has <think> and </think>, else none (local/reasoning.py);
     # `none` / None: no parser; anything else: that vLLM parser
-    reasoning_parser: str | None = "auto"
+    reasoning_parser: str | None = reasoning.AUTO
     enforce_eager: bool = True  # skips torch.compile warm-up: start-up ~70-100 s instead of ~200 s on 2 cores
     speculative_config: Mapping[str, Any] | None = None  # e.g. {"method": "eagle3", "model": DIR, ...}
     extra_args: Sequence[str] = ()

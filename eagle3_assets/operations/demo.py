@@ -278,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # lazy: loads dagster (heavy), which only this path needs
     import dagster as dg
 
-    # lazy: loads dagster (heavy), which only this path needs
-    from eagle3_assets.defs.registry import env_value
+    # lazy: the settings models import every stage (~1.6 s), which only this path needs
+    from eagle3_assets.environment import env_value
 
     # bf16 compute where this CPU has it: hidden states and training ~2.6x faster, the demo's time goes to data; on
     # a GPU `auto` (bf16 there)
@@ -349,8 +349,8 @@ def _measurement_file(args: argparse.Namespace, data_dir: Path) -> Any:
 
 def _fullness_of(server: Any) -> Callable[[str], ServerFullness | None]:
     """The demo's own server watched while ``synthetic_responses`` generates, against its target concurrency."""
-    # lazy: loads dagster (heavy), which only this path needs
-    from eagle3_assets.defs.registry import env_value
+    # lazy: the settings models import every stage (~1.6 s), which only this path needs
+    from eagle3_assets.environment import env_value
     from eagle3_assets.generation.fullness import ServerFullness
 
     target = int(env_value("EAGLE3_CONCURRENCY"))
@@ -383,8 +383,8 @@ def _setup(
     timings.append(("verifier", "-", time.monotonic() - started))
     say(f"verifier: {verifier}")
     started = time.monotonic()
-    # lazy: loads dagster (heavy), which only this path needs
-    from eagle3_assets.defs.registry import env_value
+    # lazy: the settings models import every stage (~1.6 s), which only this path needs
+    from eagle3_assets.environment import env_value
 
     # the real model: prompts up to EAGLE3_MAX_PROMPT_CHARS plus a 256-token answer fit 2,048 tokens
     sizing: dict[str, Any] = {"max_model_len": REAL_MAX_MODEL_LEN, "kv_cache_gib": 2} if real else {}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.precision import AUTO
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, read_api_key
 from eagle3_assets.hidden_states.backends import make_backend
 from eagle3_assets.hidden_states.connector_files import sweep_stale_files
@@ -56,8 +57,8 @@ class OnlineExtraction:
     backend: str  # "hf" or "vllm"
     verifier_path: str
     layer_ids: tuple[int, ...]
-    device: str = "auto"
-    precision: str = "auto"
+    device: str = AUTO
+    precision: str = AUTO
     batch_tokens: int = BATCH_TOKENS
     vllm: Any = None  # VLLMBackendOptions with the servers' URLs (an embedded server's is filled in by `serving`)
 
@@ -267,7 +268,7 @@ def fetching(extraction: OnlineExtraction, storage: Path) -> Iterator[Any]:
 
 def extraction_side(
     backend: str, verifier_path: str | Path, urls: Sequence[str] = (), storage: str | None = None,
-    outage_budget_s: float | None = None, device: str = "auto", precision: str = "auto", source: str = "online",
+    outage_budget_s: float | None = None, device: str = AUTO, precision: str = AUTO, source: str = "online",
 ) -> OnlineExtraction:  # fmt: skip
     """The extraction side's settings (``EAGLE3_HIDDEN_STATES_*``), the layers left to :func:`for_partition`. The
     servers' API key is read here from ``EAGLE3_API_KEY``: it travels to spawned workers in memory (pickled), never

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.precision import AUTO, PRECISIONS
 from eagle3_assets.core.settings import OUTAGE_BUDGET_S, ConfigError
 from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 
@@ -37,8 +38,8 @@ class TrainConfig:
     # passing the new token's embedding into the residual (see `init_token_copy`); "speculators": its init as is.
     init: str = "token_copy"
     seed: int = 0
-    device: str = "auto"
-    precision: str = "auto"  # autocast: "auto" (bf16 on GPUs, float32 on the CPU), "float32", "bfloat16" (precision.py)
+    device: str = AUTO
+    precision: str = AUTO  # autocast: "auto" (bf16 on GPUs, float32 on the CPU), "float32", "bfloat16" (precision.py)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores but one
     save_dtype: str = "float32"  # dtype of the final weights: "float32" or "bfloat16"
     max_steps_per_epoch: int | None = None  # cap for tests and benchmarks
@@ -88,7 +89,7 @@ class TrainConfig:
             raise ConfigError(f"init={self.init!r}: must be one of {', '.join(INITS)}")
         if self.draft_attn_impl not in {"sdpa", "eager"}:
             raise ConfigError(f"draft_attn_impl={self.draft_attn_impl!r}: must be sdpa or eager")
-        if self.precision not in {"auto", "float32", "bfloat16"}:
+        if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}: must be auto, float32 or bfloat16")
         if self.save_dtype not in {"float32", "bfloat16"}:
             raise ConfigError(f"save_dtype={self.save_dtype!r}: must be float32 or bfloat16")

@@ -9,7 +9,8 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.core.storage import DataLayout
-from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition, code_location_settings
+from eagle3_assets.defs.automation import SENSOR_NAME, automation_condition
+from eagle3_assets.environment import code_location_settings
 from fake_vllm import FakeConfig, FakeServerProcess
 from support.operations import (
     dagster_daemon,

@@ -52,7 +52,7 @@ from support.reliability import closed_port_url, make_prompts, quick_config
     ],
 )
 def test_bad_environment_values_name_the_key(key: str, value: str, why: str) -> None:
-    from eagle3_assets.defs.registry import env_value
+    from eagle3_assets.environment import env_value
 
     with pytest.raises(settings.ConfigError) as raised:
         env_value(key, {key: value})

@@ -18,7 +18,8 @@ from eagle3_assets.defs.evaluation import DraftEvaluationRunConfig
 from eagle3_assets.defs.hidden_states import HiddenStatesRunConfig
 from eagle3_assets.defs.inference import RemoteVLLMResource
 from eagle3_assets.defs.prompts import raw_prompts
-from eagle3_assets.defs.registry import default_resources, env_value, settings_classes, settings_markdown
+from eagle3_assets.defs.registry import default_resources
+from eagle3_assets.environment import env_value, settings_classes, settings_markdown
 from support.common import materialize_responses, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

@@ -127,8 +127,8 @@ def test_extraction_server_arguments(tmp_path: Path) -> None:
 
 
 def test_new_settings_defaults() -> None:
-    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.defs.resources import VerifierResource
+    from eagle3_assets.environment import env_value
 
     env: dict[str, str] = {}
     assert env_value("EAGLE3_HIDDEN_STATES_BACKEND", env) == "hf"

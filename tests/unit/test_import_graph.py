@@ -159,6 +159,7 @@ ROOMS = (
     "training",
     "evaluation",
     "planning",
+    "environment",  # every declared EAGLE3_* setting and its value, Dagster-free
     "defs",  # the Dagster layer
     "definitions",
     "operations",  # backfill, status, sync, the demo: they run the Definitions

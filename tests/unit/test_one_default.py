@@ -1,6 +1,8 @@
-"""Each setting's default is written once: a ``setting(...)`` in ``defs/`` that shares its name with a field of the
-core dataclass it is copied into reads that field's default (``setting(GenerationConfig.max_tokens, ...)``) instead
-of repeating it as a literal. Checked on the source (``ast``), so no Dagster is loaded.
+"""Each setting's default is written once: a ``setting(...)`` (on a settings model or an asset's run config) that
+shares its name with a field of the core dataclass it is copied into reads that field's default
+(``setting(GenerationConfig.max_tokens, ...)``) instead of repeating it as a literal; no setting anywhere repeats the
+literal default of a same-named field of any other class; no command line copies a core default. Checked on the
+source (``ast``), so no Dagster is loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "eagle3_assets"
 
 # (Dagster-side class, core dataclass it is turned into, fields allowed their own literal and why)
 PAIRS: list[tuple[str, str, dict[str, str]]] = [
-    ("InferenceServerResource", "GenerationConfig", {"model": "text field: empty is the core's None"}),
+    ("InferenceServerSettings", "GenerationConfig", {"model": "text field: empty is the core's None"}),
     ("HiddenStatesRunConfig", "HiddenStatesConfig", {}),
     ("HiddenStatesRunConfig", "VLLMBackendOptions", {}),
     ("DraftModelRunConfig", "TrainConfig", {}),
@@ -84,6 +86,52 @@ def test_the_check_sees_a_default_written_twice(tmp_path: Path) -> None:
         "class Run:\n    a: int = setting(Core.a, description='')\n    b: int = setting(2, description='')\n"
     )
     assert twice_declared(_classes(tmp_path), [("Run", "Core", {})]) == ["Run.b and Core.b"]
+
+
+# ------------------------------------------------------------------ every setting against every other class
+
+
+def _declares_settings(cls: ast.ClassDef) -> bool:
+    return any(
+        isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.value, ast.Call)
+        and getattr(stmt.value.func, "id", None) == "setting"
+        for stmt in cls.body
+    )
+
+
+def repeated_literals(classes: dict[str, ast.ClassDef]) -> list[str]:
+    """Every setting whose literal default is the same literal as the default of a same-named field of another
+    class (a config dataclass it feeds, or a sibling): one of them should read the other, or a named constant."""
+    settings_classes = {name: cls for name, cls in classes.items() if _declares_settings(cls)}
+    others = {name: _defaults(cls) for name, cls in classes.items() if not _declares_settings(cls)}
+    found = []
+    for name, cls in sorted(settings_classes.items()):
+        for field_name, expr in sorted(_defaults(cls).items()):
+            if not _is_literal(expr):
+                continue
+            value = ast.literal_eval(expr)
+            found += [
+                f"{name}.{field_name} and {other}.{field_name} (= {value!r})"
+                for other, defaults in sorted(others.items())
+                if field_name in defaults
+                and _is_literal(defaults[field_name])
+                and ast.literal_eval(defaults[field_name]) == value
+            ]
+    return found
+
+
+def test_no_setting_repeats_another_classes_literal_default() -> None:
+    assert repeated_literals(_classes()) == []
+
+
+def test_the_check_sees_a_literal_repeated_in_another_class(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "AUTO = 'auto'\n\n\nclass Train:\n    device: str = 'auto'\n    precision: str = AUTO\n\n\n"
+        "class Settings:\n    device: str = setting('auto', description='')\n"
+        "    precision: str = setting('auto', description='')\n"
+    )
+    assert repeated_literals(_classes(tmp_path)) == ["Settings.device and Train.device (= 'auto')"]
 
 
 # ------------------------------------------------------------------ command lines copying a core default

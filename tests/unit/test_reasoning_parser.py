@@ -61,8 +61,8 @@ def test_every_local_server_command_follows_the_setting(folders: tuple[Path, Pat
 
 def test_the_setting_is_declared_once_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     from eagle3_assets.core.settings import ConfigError
-    from eagle3_assets.defs.registry import env_value
     from eagle3_assets.defs.resources import VerifierResource
+    from eagle3_assets.environment import env_value
 
     assert VerifierResource().reasoning_parser == "auto"
     assert VerifierResource.from_env({"EAGLE3_REASONING_PARSER": "none"}).reasoning_parser == "none"
