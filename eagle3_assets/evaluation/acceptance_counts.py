@@ -132,7 +132,7 @@ def breakdown_line(prompt_set: str, label: str, greedy: float, extra: Mapping[st
         parts.append(
             f"mean acceptance length {greedy:.3f} greedy, {_mal(sampled['mean_acceptance_length'])} at temperature "
             f"{sampled['temperature']:g} (vLLM's rejection sampling, {sampled['drafts']:,} drafts over "
-            f"{sampled['prompts']} prompts)"
+            f"{sampled['prompts']} prompts{'' if sampled.get('seeded', True) else ', unseeded on a CPU vLLM'})"
         )
     buckets = extra.get("by_prompt_length") or {}
     if buckets:

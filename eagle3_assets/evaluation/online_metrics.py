@@ -91,9 +91,8 @@ class OnlineConfig:
     served_model_name: str | None = None  # model id on those servers; default: the verifier folder's name
     api_key: str | None = field(default=None, repr=False)  # for servers given by URL; never logged
     # the trained draft's acceptance batch again at this temperature (vLLM's rejection sampling; each request seeded
-    # by its sample id, so a re-run asks the same); 0: greedy only. Off by default: at 0.7 and 64 requests in flight
-    # the CPU vLLM's EngineCore failed every request of make demo's batch (500), cause not yet found
-    sampled_temperature: float = 0.0
+    # by its sample id where the server can seed, see seeds_requests); 0: greedy only
+    sampled_temperature: float = 0.7
 
 
 def _client(base_url: str, config: OnlineConfig) -> Any:
@@ -113,16 +112,24 @@ def _client(base_url: str, config: OnlineConfig) -> Any:
     )
 
 
+def seeds_requests(config: OnlineConfig, server_given: bool) -> bool:
+    """Whether the sampled batch seeds each request: not on a local CPU build of vLLM, whose engine dies on a seeded
+    request whose prompt is prefilled in chunks (vLLM 0.32 rewinds that request's random generator after the
+    discarded chunk, which only a CUDA generator can: "CPU Generator does not use offset", and every request in
+    flight then fails with a 500). A server given by URL is taken to be a GPU's."""
+    return server_given or accelerator.vllm_build(config.python) != accelerator.CPU
+
+
 def request_seed(sample_id: str) -> int:
     """A sampled request's seed, from its sample id: the same prompt draws the same way in every run."""
     return int(digest(sample_id, 8), 16)
 
 
 async def _complete(
-    client: Any, model: str, prompt: Prompt, config: OnlineConfig, temperature: float = 0.0
+    client: Any, model: str, prompt: Prompt, config: OnlineConfig, temperature: float = 0.0, seeded: bool = False
 ) -> Generation:
-    """One completion (greedy unless ``temperature``), timed from its send to the whole reply; a failure is a
-    failed Generation."""
+    """One completion (greedy unless ``temperature``; seeded by its sample id if ``seeded``), timed from its send to
+    the whole reply; a failure is a failed Generation."""
     deadline_s = config.request_timeout_s
     deadline = asyncio.timeout(deadline_s)  # the SDK's timeout bounds each read; this the whole reply
     started = time.perf_counter()
@@ -134,7 +141,7 @@ async def _complete(
                 temperature=temperature,
                 max_tokens=config.max_tokens,
                 extra_body={"return_token_ids": True},
-                **({"seed": request_seed(prompt.sample_id)} if temperature else {}),
+                **({"seed": request_seed(prompt.sample_id)} if temperature and seeded else {}),
             )
     except Exception as error:  # not a cancellation (a stop request): CancelledError is no Exception
         if deadline.expired():
@@ -145,7 +152,12 @@ async def _complete(
 
 
 def generate(
-    base_url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, temperature: float = 0.0
+    base_url: str,
+    model: str,
+    prompts: Sequence[Prompt],
+    config: OnlineConfig,
+    temperature: float = 0.0,
+    seeded: bool = False,
 ) -> GenerationRun:
     """Completions of every prompt (greedy unless ``temperature``), ``concurrency`` at a time; wall time of the
     whole batch.
@@ -161,7 +173,7 @@ def generate(
 
         async def one(prompt: Prompt) -> Generation:
             async with gate:
-                return await _complete(client, model, prompt, config, temperature)
+                return await _complete(client, model, prompt, config, temperature, seeded)
 
         try:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
@@ -275,10 +287,12 @@ def measure(
     config: OnlineConfig,
     speculative: bool = False,
     temperature: float = 0.0,
+    seeded: bool = False,
 ) -> GenerationRun:
     """Generate and count acceptance from these responses; a draft server must report it per request. Failed
     requests count nowhere but in ``failures``; a batch with no successful request stops the evaluation."""
-    return _checked(base_url, generate(base_url, model, prompts, config, temperature), config, speculative)
+    run = generate(base_url, model, prompts, config, temperature, seeded)
+    return _checked(base_url, run, config, speculative)
 
 
 def acceptance_stats(
@@ -434,11 +448,13 @@ def evaluate_online(
         return plain_run, draft_run
 
     def sampled(draft_url: str, label: str, set_name: str) -> dict[str, Any]:
-        temperature = config.sampled_temperature
-        say(f"online [{label}] {set_name}: acceptance again at temperature {temperature:g}")
-        run = measure(draft_url, name, prompt_sets[set_name], config, True, temperature)
+        temperature, seeded = config.sampled_temperature, seeds_requests(config, config.draft_url is not None)
+        how = "each request seeded by its sample id" if seeded else "unseeded (a CPU vLLM cannot seed a request)"
+        say(f"online [{label}] {set_name}: acceptance again at temperature {temperature:g}, {how}")
+        run = measure(draft_url, name, prompt_sets[set_name], config, True, temperature, seeded)
         _say_failures(say, label, set_name, f"temperature-{temperature:g} batch", run)
-        return {"temperature": temperature, "failed": len(run.failures), **summary(run.generations, config.k)}
+        counts = summary(run.generations, config.k)
+        return {"temperature": temperature, "seeded": seeded, "failed": len(run.failures), **counts}
 
     stats: list[AcceptanceStats] = []
     mismatches: dict[str, dict[str, list[str]]] = {set_name: {} for set_name in prompt_sets}

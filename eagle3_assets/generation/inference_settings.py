@@ -79,7 +79,13 @@ class InferenceServerSettings(SettingsModel):
     top_p: float | None = setting(
         GenerationConfig.top_p, description="Top-p; empty: the model's default.", gt=0.0, le=1.0
     )
-    seed: int | None = setting(GenerationConfig.seed, description="Sampling seed per request; empty: none.")
+    seed: int | None = setting(
+        GenerationConfig.seed,
+        description=(
+            "Sampling seed per request; empty: none. Leave it empty on the CPU build of vLLM (0.32): its engine dies "
+            "on a seeded request whose prompt it prefills in chunks."
+        ),
+    )
     extra_body_json: str = setting(
         "",
         env="EAGLE3_EXTRA_BODY",

@@ -7,6 +7,7 @@ The plain server is the session's shared ``vllm_server``; the speculative one ne
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from eagle3_assets.evaluation.online_metrics import (
     local_server,
     measure,
     mismatched,
+    seeds_requests,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -30,6 +32,7 @@ PROMPTS = [
     "What is 17 * 23? Show your work.",
     "Summarize the causes of the French revolution in three sentences.",
 ]
+LONG_TEXT = "Count the words in this text: " + "apple banana cherry " * 200
 
 
 def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -52,8 +55,15 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     assert plain.counters["drafts"] == 0  # no speculation on the plain server
     with local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
         spec = measure(server.base_url, server.model_name, prompts, config, speculative=True)
-        # sampling: vLLM's rejection sampling reports the same per-request metrics, for seeded requests
-        sampled = measure(server.base_url, server.model_name, prompts, config, speculative=True, temperature=0.7)
+        # sampling: vLLM's rejection sampling reports the same per-request metrics; seeded only where the server can
+        seeded = seeds_requests(config, server_given=False)
+        sampled = measure(server.base_url, server.model_name, prompts, config, True, 0.7, seeded)
+        # prompts long enough that vLLM prefills some in chunks (the batch holds more prompt tokens than the step's
+        # 2,048): a seeded request there killed the CPU engine ("CPU Generator does not use offset"), every request
+        # of make demo's sampled batch then failing with a 500
+        long_prompts = [Prompt(f"long{i}", [{"role": "user", "content": f"{i} " + LONG_TEXT}]) for i in range(4)]
+        at_once = replace(config, concurrency=4, max_tokens=8)
+        chunked = measure(server.base_url, server.model_name, long_prompts, at_once, True, 0.7, seeded)
 
     assert all(g.token_ids for g in plain.generations + spec.generations), "vLLM returned no token ids"
     assert mismatched(plain.generations, spec.generations) == []
@@ -64,6 +74,8 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     assert 1.0 <= stats.mean_acceptance_length < 1.5  # a random draft is accepted ~never
 
     assert not sampled.failures and sampled.counters["drafts"] > 0
+    assert sum(g.prompt_tokens or 0 for g in chunked.generations) > 2048, "too short to be prefilled in chunks"
+    assert not chunked.failures, chunked.failures
     assert all(g.prompt_tokens for g in spec.generations + sampled.generations), "vLLM returned no prompt tokens"
     buckets = by_prompt_length(spec.generations, K)
     assert sum(b["drafts"] for b in buckets.values()) == stats.drafts

@@ -21,6 +21,7 @@ from unittest import mock
 
 import pytest
 
+from eagle3_assets.evaluation.acceptance_counts import breakdown_line
 from eagle3_assets.evaluation.evaluation_report import (
     DOES_NOT_PAY,
     INCONCLUSIVE,
@@ -249,8 +250,32 @@ def test_the_trained_draft_is_measured_again_at_the_sampled_temperature(tmp_path
     assert all("seed" not in b and not b.get("temperature") for b in bodies if b not in sampled)
     (stats,) = result.stats
     assert stats.extra["sampled"]["temperature"] == 0.7 and stats.extra["sampled"]["prompts"] == 3
+    assert stats.extra["sampled"]["seeded"] is True  # a server given by URL is a GPU's
     assert stats.extra["sampled"]["drafts"] == stats.drafts  # the stub accepts the same at any temperature
     assert set(stats.extra["by_prompt_length"]) == {"short"}
+
+
+@pytest.mark.parametrize(("build", "seeded"), [("cpu", False), ("cuda", True)])
+def test_a_local_cpu_vllm_gets_the_sampled_batch_unseeded(tmp_path: Path, build: str, seeded: bool) -> None:
+    """A trained draft served here on the CPU build of vLLM: no request carries a seed (the CPU engine dies on a
+    seeded request prefilled in chunks); on the CUDA build each does. The report says which."""
+    seen: list[tuple[str, str]] = []
+    bodies: list[dict[str, Any]] = []
+    config = OnlineConfig(k=K, max_tokens=8, concurrency=3, speed_prompts=0, request_timeout_s=10,
+                          served_model_name="m", sampled_temperature=0.7)  # fmt: skip
+    with _stub("plain", seen) as plain, _stub("draft", seen, speculative=True, bodies=bodies) as draft:
+        config.plain_url = plain
+        with (
+            mock.patch("eagle3_assets.evaluation.online_metrics.local_server", _running_at(draft)),
+            mock.patch("eagle3_assets.local.accelerator.vllm_build", lambda python=None: build),
+        ):
+            result = evaluate_online(tmp_path, {"trained": tmp_path}, {"held-out": _prompts(3)}, config, print)
+    sampled = [b for b in bodies if b.get("temperature")]
+    assert len(sampled) == 3 and all(("seed" in b) is seeded for b in sampled)
+    (stats,) = result.stats
+    assert stats.extra["sampled"]["seeded"] is seeded
+    line = breakdown_line("held-out", "trained", stats.mean_acceptance_length, stats.extra)
+    assert ("unseeded on a CPU vLLM" in line) is not seeded
 
 
 def test_only_the_trained_draft_gets_a_speed_batch(tmp_path: Path) -> None:
