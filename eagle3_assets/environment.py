@@ -26,21 +26,12 @@ logger = logging.getLogger(__name__)
 class CodeLocationSettings(SettingsModel):
     """Settings that shape the definitions themselves, so they are read when the code location loads."""
 
-    automation: bool = setting(
-        False,
-        env="EAGLE3_AUTOMATION",
-        description=(
-            "Declarative automation: `hidden_states` materializes a partition by itself once its "
-            "`synthetic_responses` partition lands and its blocking checks pass (the daemon of `make dev` runs it). "
-            "Read when the code location loads."
-        ),
-    )
-    automation_interval_s: int = setting(
-        30,
-        env="EAGLE3_AUTOMATION_INTERVAL_S",
-        description="Seconds between two evaluations of the automation conditions. Read when the code location loads.",
-        ge=5,
-    )
+    automation: bool = setting(False, env="EAGLE3_AUTOMATION")
+    """Declarative automation: `hidden_states` materializes a partition by itself once its `synthetic_responses`
+    partition lands and its blocking checks pass (the daemon of `make dev` runs it). Read when the code location
+    loads."""
+    automation_interval_s: int = setting(30, env="EAGLE3_AUTOMATION_INTERVAL_S", ge=5)
+    """Seconds between two evaluations of the automation conditions. Read when the code location loads."""
 
 
 def code_location_settings(environ: Mapping[str, str] | None = None) -> CodeLocationSettings:

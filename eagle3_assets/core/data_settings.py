@@ -32,12 +32,8 @@ def check_writable_dir(root: Path, key: str, value: str) -> None:
 class DataStoreSettings(SettingsModel):
     """Where every asset's files live. One folder per asset, one file per partition."""
 
-    data_dir: str = setting(
-        "./data",
-        env="EAGLE3_DATA_DIR",
-        description="Root of every asset's files (one folder per asset).",
-        check=settings.check_not_blank,
-    )
+    data_dir: str = setting("./data", env="EAGLE3_DATA_DIR", check=settings.check_not_blank)
+    """Root of every asset's files (one folder per asset)."""
 
     def check_usable(self) -> None:
         """A folder (or a path where one can be made) this user can write; ConfigError naming the key if not."""

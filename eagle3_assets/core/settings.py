@@ -20,8 +20,8 @@ declaration come:
   declared field (``validate_field``) and re-raises with the variable's name, the value and what it must be;
 - ``eagle3 config`` and ``eagle3 config --markdown`` (the README's configuration table): ``markdown_table``.
 
-Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME",
-description=..., gt=0, ...)`` to the settings model that uses it (or to a new ``SettingsModel`` listed in
+Adding a setting is a one-place change: add ``name: type = setting(default, env="EAGLE3_NAME", gt=0, ...)`` and
+its description as the docstring under it to the settings model that uses it (or to a new ``SettingsModel`` listed in
 ``eagle3_assets.environment.settings_classes`` with its resource in ``defs/registry.py``), read ``self.name`` where
 it is needed, and regenerate the README table with ``eagle3 config --markdown``. Nothing else lists settings.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # the source checkout (or site-packages) holding the package: children put it on PYTHONPATH, git reads it
@@ -234,13 +234,16 @@ check_not_blank.allowed = "text, not empty"  # type: ignore[attr-defined]
 def setting(
     default: Any,
     *,
-    description: str,
+    description: str | None = None,
     env: str | None = None,
     secret: bool = False,
     check: Callable[[str, Any], object] | None = None,
     **bounds: Any,
 ) -> Any:
     """A declared setting: a pydantic field with its default, description, bounds and environment variable.
+
+    On a ``SettingsModel`` the description is the field's docstring (the string literal under it); elsewhere (an
+    asset's run config) ``description``.
 
     ``bounds`` are pydantic's constraints (``gt``, ``ge``, ``le``, ``lt``); floats never accept NaN or
     infinity. ``check(key, value)`` raises ``ConfigError`` for values the type cannot rule out (URLs, JSON).
@@ -291,7 +294,7 @@ def declared(cls: type) -> list[Declared]:
                 env=extra.get("env"),  # type: ignore[arg-type]
                 default=info.default,
                 annotation=info.annotation,
-                description=info.description or "",
+                description=" ".join((info.description or "").split()),
                 secret=bool(extra.get("secret")),
                 check=extra.get("check"),  # type: ignore[arg-type]
                 bounds=bounds,
@@ -344,7 +347,10 @@ def validate_field(cls: type, value: Any, handler: Callable[[Any], Any], field_n
 
 class SettingsModel(BaseModel):
     """A Dagster-free model whose fields are declared settings: a bad value raises
-    ``ConfigError("KEY=value: what it must be")`` (never pydantic's text, which repeats the value's secrets)."""
+    ``ConfigError("KEY=value: what it must be")`` (never pydantic's text, which repeats the value's secrets). Each
+    field's docstring is its description (the launchpad's, ``eagle3 config``'s and the README table's)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     @field_validator("*", mode="wrap")
     @classmethod

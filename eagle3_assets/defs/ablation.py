@@ -40,39 +40,40 @@ check_seeds.allowed = "comma-separated seeds, e.g. `0,1`"  # type: ignore[attr-d
 class RegenerationAblationRunConfig(SettingsConfig):
     """The ablation's size; defaults fit a few hundred ShareGPT conversations in ~3 hours on 2 cores."""
 
-    conversations: int = setting(
-        _DEFAULT.conversations, description="Training conversations (the same for every variant).", gt=0
-    )
-    held_out: int = setting(_DEFAULT.held_out, description="Held-out prompts (raw_prompts rows after them).", gt=0)
-    humaneval: int = setting(_DEFAULT.humaneval, description="HumanEval problems evaluated.", gt=0)
-    token_budget: int = setting(_DEFAULT.token_budget, description="Packed training tokens per draft.", gt=0)
-    tokens_per_batch: int = setting(_DEFAULT.tokens_per_batch, description="Packed tokens per step.", gt=0)
-    seeds: str = setting(
-        ",".join(map(str, _DEFAULT.seeds)),
-        description="Seeds: the first trains every variant, the others train spread_variant again (the spread).",
-        check=check_seeds,
-    )
-    spread_variant: str = setting(
-        _DEFAULT.spread_variant, description="Variant trained with every seed.", check=settings.one_of(*VARIANTS)
-    )
-    partition_size: int = setting(_DEFAULT.partition_size, description="Conversations per partition.", gt=0)
-    max_conversation_chars: int = setting(
-        _DEFAULT.max_conversation_chars,
-        description="Longer conversations are passed over (each must fit the server's context whole).",
-        gt=0,
-    )
-    draft_vocab_size: int = setting(_DEFAULT.draft_vocab_size, description="Draft vocabulary size.", gt=0)
-    num_layers: int = setting(TrainConfig.num_layers, description="Draft decoder layers.", gt=0)
-    k: int = setting(_DEFAULT.k, description="num_speculative_tokens (and TTT steps).", gt=0)
-    online: bool = setting(_DEFAULT.online, description="Also measure acceptance in vLLM; false: offline only.")
-    max_tokens: int = setting(OnlineConfig.max_tokens, description="Online: max_tokens per request.", gt=0)
-    max_val_batches: int = setting(_DEFAULT.max_val_batches, description="Validation batches per epoch.", gt=0)
-    offline_max_samples: int = setting(
-        _DEFAULT.offline_max_samples or 64, description="Stored samples simulated offline per prompt set.", gt=0
-    )
-    max_seq_len: int = setting(
-        HiddenStatesConfig.max_seq_len, description="Tokens kept per training sample (longer ones are cut).", gt=1
-    )
+    conversations: int = setting(_DEFAULT.conversations, gt=0)
+    """Training conversations (the same for every variant)."""
+    held_out: int = setting(_DEFAULT.held_out, gt=0)
+    """Held-out prompts (raw_prompts rows after them)."""
+    humaneval: int = setting(_DEFAULT.humaneval, gt=0)
+    """HumanEval problems evaluated."""
+    token_budget: int = setting(_DEFAULT.token_budget, gt=0)
+    """Packed training tokens per draft."""
+    tokens_per_batch: int = setting(_DEFAULT.tokens_per_batch, gt=0)
+    """Packed tokens per step."""
+    seeds: str = setting(",".join(map(str, _DEFAULT.seeds)), check=check_seeds)
+    """Seeds: the first trains every variant, the others train spread_variant again (the spread)."""
+    spread_variant: str = setting(_DEFAULT.spread_variant, check=settings.one_of(*VARIANTS))
+    """Variant trained with every seed."""
+    partition_size: int = setting(_DEFAULT.partition_size, gt=0)
+    """Conversations per partition."""
+    max_conversation_chars: int = setting(_DEFAULT.max_conversation_chars, gt=0)
+    """Longer conversations are passed over (each must fit the server's context whole)."""
+    draft_vocab_size: int = setting(_DEFAULT.draft_vocab_size, gt=0)
+    """Draft vocabulary size."""
+    num_layers: int = setting(TrainConfig.num_layers, gt=0)
+    """Draft decoder layers."""
+    k: int = setting(_DEFAULT.k, gt=0)
+    """num_speculative_tokens (and TTT steps)."""
+    online: bool = setting(_DEFAULT.online)
+    """Also measure acceptance in vLLM; false: offline only."""
+    max_tokens: int = setting(OnlineConfig.max_tokens, gt=0)
+    """Online: max_tokens per request."""
+    max_val_batches: int = setting(_DEFAULT.max_val_batches, gt=0)
+    """Validation batches per epoch."""
+    offline_max_samples: int = setting(_DEFAULT.offline_max_samples or 64, gt=0)
+    """Stored samples simulated offline per prompt set."""
+    max_seq_len: int = setting(HiddenStatesConfig.max_seq_len, gt=1)
+    """Tokens kept per training sample (longer ones are cut)."""
 
 
 def ablation_config(config: RegenerationAblationRunConfig) -> AblationConfig:

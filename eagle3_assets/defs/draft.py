@@ -57,12 +57,10 @@ def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], st
 
 
 class VocabMappingRunConfig(SettingsConfig):
-    draft_vocab_size: int = setting(
-        DRAFT_VOCAB_SIZE, description="Draft vocabulary size (capped at the verifier's).", gt=0
-    )
-    val_partition: str = setting(
-        "", description="Held-out partition (not counted); empty: the last one whose checks passed."
-    )
+    draft_vocab_size: int = setting(DRAFT_VOCAB_SIZE, gt=0)
+    """Draft vocabulary size (capped at the verifier's)."""
+    val_partition: str = setting("")
+    """Held-out partition (not counted); empty: the last one whose checks passed."""
 
 
 @dg.asset(
@@ -103,48 +101,37 @@ def vocab_mapping(
 class DraftModelRunConfig(SettingsConfig):
     """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
 
-    epochs: int = setting(TrainConfig.epochs, description="Training epochs.", gt=0)
-    lr: float = setting(TrainConfig.lr, description="AdamW learning rate.", gt=0.0)
-    tokens_per_batch: int = setting(TrainConfig.tokens_per_batch, description="Packed tokens per step.", gt=0)
-    ttt_steps: int = setting(
-        TrainConfig.ttt_steps, description="Training-time-test steps (draft positions trained).", gt=0
-    )
-    num_layers: int = setting(TrainConfig.num_layers, description="Draft decoder layers.", gt=0)
-    val_partition: str = setting("", description="Held-out partition; empty: the last hidden_states partition.")
-    max_steps_per_epoch: int | None = setting(
-        TrainConfig.max_steps_per_epoch, description="Cap on steps per epoch; empty: none.", gt=0
-    )
-    max_val_batches: int | None = setting(
-        TrainConfig.max_val_batches,
-        description="Validation batches per evaluation; empty: the whole held-out partition.",
-        gt=0,
-    )
-    init: str = setting(
-        TrainConfig.init,
-        description="`token_copy` (the draft starts by carrying the new token forward) or `speculators`.",
-        check=settings.one_of("token_copy", "speculators"),
-    )
-    loss_on: str = setting(
-        TrainConfig.loss_on,
-        description="Positions the training loss covers: `assistant` (the answers) or `all` (prompts too; the "
-        "target is the verifier's own distribution everywhere, validation stays on the answers).",
-        check=settings.one_of(*LOSS_ON),
-    )
-    num_threads: int | None = setting(
-        TrainConfig.num_threads, description="Torch threads on CPU; empty: all cores but one.", gt=0
-    )
+    epochs: int = setting(TrainConfig.epochs, gt=0)
+    """Training epochs."""
+    lr: float = setting(TrainConfig.lr, gt=0.0)
+    """AdamW learning rate."""
+    tokens_per_batch: int = setting(TrainConfig.tokens_per_batch, gt=0)
+    """Packed tokens per step."""
+    ttt_steps: int = setting(TrainConfig.ttt_steps, gt=0)
+    """Training-time-test steps (draft positions trained)."""
+    num_layers: int = setting(TrainConfig.num_layers, gt=0)
+    """Draft decoder layers."""
+    val_partition: str = setting("")
+    """Held-out partition; empty: the last hidden_states partition."""
+    max_steps_per_epoch: int | None = setting(TrainConfig.max_steps_per_epoch, gt=0)
+    """Cap on steps per epoch; empty: none."""
+    max_val_batches: int | None = setting(TrainConfig.max_val_batches, gt=0)
+    """Validation batches per evaluation; empty: the whole held-out partition."""
+    init: str = setting(TrainConfig.init, check=settings.one_of("token_copy", "speculators"))
+    """`token_copy` (the draft starts by carrying the new token forward) or `speculators`."""
+    loss_on: str = setting(TrainConfig.loss_on, check=settings.one_of(*LOSS_ON))
+    """Positions the training loss covers: `assistant` (the answers) or `all` (prompts too; the target is the verifier's
+    own distribution everywhere, validation stays on the answers)."""
+    num_threads: int | None = setting(TrainConfig.num_threads, gt=0)
+    """Torch threads on CPU; empty: all cores but one."""
     hidden_states_source: str = setting(
-        TrainConfig.hidden_states_source,
-        description="`stored` (the partitions' files), `online` (each batch's states computed while training by "
-        "EAGLE3_HIDDEN_STATES_BACKEND, nothing stored; every epoch re-extracts) or `hybrid` (stored files, the rest "
-        "online).",
-        check=settings.one_of("stored", "online", "hybrid"),
+        TrainConfig.hidden_states_source, check=settings.one_of("stored", "online", "hybrid")
     )
-    prefetch_batches: int = setting(
-        TrainConfig.prefetch_batches,
-        description="Online: batches each loader worker keeps ready (bounds states in memory and on disk).",
-        gt=0,
-    )
+    """`stored` (the partitions' files), `online` (each batch's states computed while training by
+    EAGLE3_HIDDEN_STATES_BACKEND, nothing stored; every epoch re-extracts) or `hybrid` (stored files, the rest
+    online)."""
+    prefetch_batches: int = setting(TrainConfig.prefetch_batches, gt=0)
+    """Online: batches each loader worker keeps ready (bounds states in memory and on disk)."""
 
 
 def configured_layer_ids(verifier: VerifierResource) -> tuple[int, ...] | None:

@@ -29,49 +29,34 @@ if TYPE_CHECKING:
 class DraftEvaluationRunConfig(SettingsConfig):
     """The draft_evaluation asset's run config; ``evaluation_options`` turns it into the core's options."""
 
-    k: int = setting(EvaluationOptions.k, description="num_speculative_tokens.", gt=0)
-    online: bool = setting(
-        EvaluationOptions.online, description="Serve the verifier with the drafts in vLLM; false: offline only."
-    )
-    offline: bool = setting(
-        EvaluationOptions.offline,
-        description="Simulate acceptance offline from the held-out partition's hidden states.",
-    )
-    prompts: int = setting(
-        OnlineConfig.prompts, description="Held-out prompts sent online (the `held-out` prompt set).", gt=0
-    )
-    humaneval_prompts: int = setting(
-        OnlineConfig.humaneval_prompts,
-        description="HumanEval problems sent online (the `humaneval` prompt set); 0: all 164.",
-        ge=0,
-    )
-    max_tokens: int = setting(OnlineConfig.max_tokens, description="max_tokens per online request.", gt=0)
-    concurrency: int = setting(
-        OnlineConfig.concurrency,
-        description="Requests in flight per server for each prompt set's acceptance (which does not depend on it).",
-        gt=0,
-    )
-    speed_prompts: int = setting(
-        OnlineConfig.speed_prompts,
-        description="Batch-1 speed-up on each prompt set's first N prompts, each sent to the plain verifier and to the "
-        "draft one request at a time, alternating which goes first: the median per-prompt ratio with its 95% "
-        "bootstrap interval; the draft pays only where the interval's lower bound is above 1.0. 0: none.",
-        ge=0,
-    )
-    sampled_temperature: float = setting(
-        OnlineConfig.sampled_temperature,
-        description="The trained draft's acceptance batch again at this temperature (vLLM's rejection sampling), "
-        "beside the greedy figure; 0: greedy only.",
-        ge=0,
-    )
-    partition: str = setting(
-        "", description="Held-out partition; empty: the last hidden_states partition whose checks passed."
-    )
+    k: int = setting(EvaluationOptions.k, gt=0)
+    """num_speculative_tokens."""
+    online: bool = setting(EvaluationOptions.online)
+    """Serve the verifier with the drafts in vLLM; false: offline only."""
+    offline: bool = setting(EvaluationOptions.offline)
+    """Simulate acceptance offline from the held-out partition's hidden states."""
+    prompts: int = setting(OnlineConfig.prompts, gt=0)
+    """Held-out prompts sent online (the `held-out` prompt set)."""
+    humaneval_prompts: int = setting(OnlineConfig.humaneval_prompts, ge=0)
+    """HumanEval problems sent online (the `humaneval` prompt set); 0: all 164."""
+    max_tokens: int = setting(OnlineConfig.max_tokens, gt=0)
+    """max_tokens per online request."""
+    concurrency: int = setting(OnlineConfig.concurrency, gt=0)
+    """Requests in flight per server for each prompt set's acceptance (which does not depend on it)."""
+    speed_prompts: int = setting(OnlineConfig.speed_prompts, ge=0)
+    """Batch-1 speed-up on each prompt set's first N prompts, each sent to the plain verifier and to the draft one
+    request at a time, alternating which goes first: the median per-prompt ratio with its 95% bootstrap interval; the
+    draft pays only where the interval's lower bound is above 1.0. 0: none."""
+    sampled_temperature: float = setting(OnlineConfig.sampled_temperature, ge=0)
+    """The trained draft's acceptance batch again at this temperature (vLLM's rejection sampling), beside the greedy
+    figure; 0: greedy only."""
+    partition: str = setting("")
+    """Held-out partition; empty: the last hidden_states partition whose checks passed."""
     # ~0.3-1 s per sample and draft on 2 busy cores
-    offline_max_samples: int | None = setting(
-        256, description="Stored samples simulated offline; empty: the whole held-out partition.", gt=0
-    )
-    untrained_baseline: bool = setting(True, description="Also measure an untrained draft of the same shape.")
+    offline_max_samples: int | None = setting(256, gt=0)
+    """Stored samples simulated offline; empty: the whole held-out partition."""
+    untrained_baseline: bool = setting(True)
+    """Also measure an untrained draft of the same shape."""
 
 
 def evaluation_options(

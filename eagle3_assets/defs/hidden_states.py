@@ -31,29 +31,17 @@ ONE_PER_OK = "hidden_states_one_per_ok_response"
 class HiddenStatesRunConfig(SettingsConfig):
     """The hidden_states asset's run config; ``hidden_states_config`` turns it into the core's config."""
 
-    max_seq_len: int = setting(
-        HiddenStatesConfig.max_seq_len, description="Tokens kept per sample (longer ones are cut).", gt=1
-    )
-    dtype: str = setting(
-        HiddenStatesConfig.dtype,
-        description="Storage dtype of the hidden states: float8_e4m3fn halves bf16's bytes (one scale per token and "
-        "layer).",
-        check=settings.one_of(*STORAGE_DTYPES),
-    )
-    batch_tokens: int = setting(
-        HiddenStatesConfig.batch_tokens, description="hf backend: padded tokens per forward pass.", gt=0
-    )
-    concurrency: int = setting(
-        VLLMBackendOptions.concurrency,
-        description="vllm backend: requests in flight over the extraction servers.",
-        gt=0,
-    )
-    store_budget_gib: float | None = setting(
-        None,
-        description="State files kept per partition, GiB: empty stores all; 0 stores none (draft_model trains "
-        "online); more keeps the first samples (hybrid).",
-        ge=0.0,
-    )
+    max_seq_len: int = setting(HiddenStatesConfig.max_seq_len, gt=1)
+    """Tokens kept per sample (longer ones are cut)."""
+    dtype: str = setting(HiddenStatesConfig.dtype, check=settings.one_of(*STORAGE_DTYPES))
+    """Storage dtype of the hidden states: float8_e4m3fn halves bf16's bytes (one scale per token and layer)."""
+    batch_tokens: int = setting(HiddenStatesConfig.batch_tokens, gt=0)
+    """hf backend: padded tokens per forward pass."""
+    concurrency: int = setting(VLLMBackendOptions.concurrency, gt=0)
+    """vllm backend: requests in flight over the extraction servers."""
+    store_budget_gib: float | None = setting(None, ge=0.0)
+    """State files kept per partition, GiB: empty stores all; 0 stores none (draft_model trains online); more keeps the
+    first samples (hybrid)."""
 
 
 def hidden_states_config(config: HiddenStatesRunConfig, verifier: VerifierResource) -> HiddenStatesConfig:

@@ -38,12 +38,14 @@ class RemoteVLLMResource(InferenceServerResource, RemoteVLLMSettings):
 class LocalVLLMResource(InferenceServerResource):
     """The embedded default: a CPU vLLM serving a local model folder, started for the run if not running."""
 
-    model_path: str = setting("", description="Model folder to serve.", check=settings.check_not_blank)
-    port: int = setting(8000, description="Port on 127.0.0.1.", gt=0, lt=65536)
-    log_dir: str = setting("", description="Folder for the server's log; empty: a temporary one.")
-    startup_timeout_s: float = setting(
-        DEFAULT_STARTUP_TIMEOUT_S, description="Seconds to wait for the server to answer.", gt=0
-    )
+    model_path: str = setting("", check=settings.check_not_blank)
+    """Model folder to serve."""
+    port: int = setting(8000, gt=0, lt=65536)
+    """Port on 127.0.0.1."""
+    log_dir: str = setting("")
+    """Folder for the server's log; empty: a temporary one."""
+    startup_timeout_s: float = setting(DEFAULT_STARTUP_TIMEOUT_S, gt=0)
+    """Seconds to wait for the server to answer."""
     _server: Any = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:

@@ -25,12 +25,8 @@ ERROR_RATE = "responses_error_rate"
 
 
 class ResponsesRunConfig(SettingsConfig):
-    max_error_rate: float = setting(
-        DEFAULT_MAX_ERROR_RATE,
-        description="The error-rate check fails above this share of failed samples.",
-        ge=0.0,
-        le=1.0,
-    )
+    max_error_rate: float = setting(DEFAULT_MAX_ERROR_RATE, ge=0.0, le=1.0)
+    """The error-rate check fails above this share of failed samples."""
 
 
 @dg.asset(

