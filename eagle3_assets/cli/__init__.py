@@ -234,6 +234,10 @@ FORWARDED = {
     "serve-local": ("eagle3_assets.local.vllm_cli", "run the embedded CPU vLLM server"),
     "demo": ("eagle3_assets.operations.demo", "materialize the whole pipeline on the sample data"),
     "evaluate": ("eagle3_assets.cli.evaluate_command", "evaluate a draft model against vLLM (acceptance per position)"),
+    "tables": (
+        "eagle3_assets.operations.measurement_tables",
+        "redraw the docs' tables of measured figures from their measurement files (--check: fail when stale)",
+    ),
     "plan": (
         "eagle3_assets.cli.plan_command",
         "predict a run before it starts: tokens, stage times, hidden-state bytes, disk",

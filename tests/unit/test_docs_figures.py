@@ -16,11 +16,14 @@ from another run, fails. ``unbacked`` tables are counted and may not grow beyond
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from eagle3_assets.operations.measurement_tables import main, rerendered
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -162,3 +165,39 @@ def test_a_table_in_a_fenced_block_takes_the_marker_above_the_fence(tmp_path: Pa
 )
 def test_precision_matching(token: str, values: list[float], expected: bool) -> None:
     assert held(token, values) is expected
+
+
+# ------------------------------------------------------------------ tables rendered from a measurement file
+
+
+def test_every_rendered_table_is_what_its_file_renders() -> None:
+    """``eagle3 tables --check`` over README.md and docs/: a rendered block edited by hand, or a file re-measured
+    without re-rendering, fails (``eagle3 tables README.md docs/*.md`` redraws them)."""
+    paths = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    stale = [f"{path.name}: {block}" for path in paths for block in rerendered(path.read_text())[1]]
+    assert not stale, "run `eagle3 tables README.md docs/*.md`: " + "; ".join(stale)
+
+
+def test_a_rendered_table_is_redrawn_and_a_hand_edit_is_seen(tmp_path: Path) -> None:
+    run = {
+        "run": "demo", "commit": "abc1234", "stages": [
+            {"stage": "synthetic_responses", "partitions": "3", "seconds": 136.9, "server_fullness": {
+                "mean_running": 57.93, "mean_waiting": 0.0, "target": 64, "share": 0.905}},
+            {"stage": "draft_model", "partitions": "-", "seconds": 425.1},
+        ],
+    }  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "Before.\n\n<!-- figures: run.json --><!-- rendered: stages -->\n| old |\n<!-- end rendered -->\nAfter.\n"
+    )
+    assert main([str(doc), "--docs", str(tmp_path)]) == 0  # redrawn
+    assert main([str(doc), "--docs", str(tmp_path), "--check"]) == 0  # then current
+    text = doc.read_text()
+    assert "| synthetic_responses | 3 | 136.9 | 57.9 of 64 running (90%), 0.0 waiting |" in text
+    assert text.startswith("Before.\n\n") and text.endswith("<!-- end rendered -->\nAfter.\n")
+    (table,) = tables(doc)
+    assert table.marker == "run.json"  # the block's first line is the table's figures marker too
+    doc.write_text(text.replace("425.1", "325.1"))
+    assert rerendered(doc.read_text(), tmp_path)[1] == ["run.json stages"]
+    assert main([str(doc), "--docs", str(tmp_path), "--check"]) == 1
