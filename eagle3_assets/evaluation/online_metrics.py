@@ -302,13 +302,16 @@ def acceptance_stats(
     speed: GenerationRun | None = None,
     prompt_set: str = HELD_OUT,
     plain_speed: GenerationRun | None = None,
+    timed_by_run: bool = True,
 ) -> AcceptanceStats:
-    """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run``, only
-    where every request of that batch was answered (else ``seconds`` None and ``speed_failed`` says how many failed).
-    With ``plain_speed``, ``speed`` is the draft's side of a paired speed batch and the per-prompt pairs are kept
-    (``speed_pairs``: each side's tokens and seconds, None where its request failed)."""
+    """Acceptance counted over ``run`` (the whole set); tokens/s from ``speed`` (batch 1), else from ``run`` unless
+    ``timed_by_run`` is False (the baseline was timed at batch 1, so a ratio to ``run``'s throughput, many requests in
+    flight, would mean nothing), only where every request of that batch was answered (else ``seconds`` None and
+    ``speed_failed`` says how many failed). With ``plain_speed``, ``speed`` is the draft's side of a paired speed batch
+    and the per-prompt pairs are kept (``speed_pairs``: each side's tokens and seconds, None where its request
+    failed)."""
     c = run.counters
-    timed = speed if speed is not None else run
+    timed = speed if speed is not None else run if timed_by_run else GenerationRun([], 0.0)
     speed_failed = len(timed.failures)
     failed = len(run.failures) + (len(speed.failures) if speed is not None else 0)
     pairs = []
@@ -476,7 +479,9 @@ def evaluate_online(
                         plain_run, draft_run = paired(plain_url, draft_url, label, set_name)
                         plain_speed[set_name].append(plain_run)
                         reference, other = reference + plain_run.generations, other + draft_run.generations
-                    s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_speed=plain_run)
+                    # no speed batch for a baseline while the trained draft has one: no tok/s, no speed-up
+                    by_run = config.speed_prompts <= 0
+                    s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_run, by_run)
                     if trained and config.sampled_temperature > 0:
                         s.extra["sampled"] = sampled(draft_url, label, set_name)
                     mismatches[set_name][label] = list(dict.fromkeys(mismatched(reference, other)))
