@@ -363,6 +363,12 @@ class SettingsModel(BaseModel):
         except ValidationError as error:
             raise as_config_error(error) from None
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+        """The model with the environment's valid values (invalid ones are reported by ``check_environ``)."""
+        values, _errors = from_environ(cls, environ)
+        return cls(**{**values, **overrides})
+
 
 # ------------------------------------------------------------------------------------------ environment
 

@@ -38,12 +38,6 @@ class SettingsResource(dg.ConfigurableResource, SettingsModel):
         return settings.validate_field(cls, value, handler, str(info.field_name))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
-        """The resource with the environment's valid values (invalid ones are reported when a run starts)."""
-        values, _errors = settings.from_environ(cls, environ)
-        return cls(**{**values, **overrides})
-
-    @classmethod
     def for_definitions(cls, environ: Mapping[str, str] | None = None) -> Any:
         """The resource for the code location: as ``from_env``, but a value holding a URL's ``user:password@`` is
         bound by its variable's name (``dg.EnvVar``), never by value. Dagster stores a resource's configured values
