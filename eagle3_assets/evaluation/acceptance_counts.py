@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from eagle3_assets.core.hashing import digest
+from eagle3_assets.local import accelerator
 
 # prompt tokens: [low, high) per bucket; None: no upper bound
 PROMPT_LENGTH_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
@@ -142,3 +146,17 @@ def breakdown_line(prompt_set: str, label: str, greedy: float, extra: Mapping[st
         ]
         parts.append("greedy by prompt length: " + ", ".join(shown))
     return f"- {prompt_set}, {label} draft: " + "; ".join(parts) if parts else None
+
+
+def seeds_requests(python: Path | None, server_given: bool) -> bool:
+    """Whether the sampled batch seeds each request: not on a local CPU build of vLLM (``python``, the interpreter of
+    the local servers), whose engine dies on a seeded request whose prompt is prefilled in chunks (vLLM 0.32 rewinds
+    that request's random generator after the discarded chunk, which only a CUDA generator can: "CPU Generator does
+    not use offset", and every request in flight then fails with a 500). A server given by URL is taken to be a
+    GPU's."""
+    return server_given or accelerator.vllm_build(python) != accelerator.CPU
+
+
+def request_seed(sample_id: str) -> int:
+    """A sampled request's seed, from its sample id: the same prompt draws the same way in every run."""
+    return int(digest(sample_id, 8), 16)

@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.core.hashing import digest
 from eagle3_assets.core.interrupts import run_interruptible
 from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 from eagle3_assets.evaluation.acceptance_counts import (
     Generation,
     GenerationRun,
     by_prompt_length,
+    request_seed,
+    seeds_requests,
     summary,
     summed_counts,
 )
@@ -110,19 +111,6 @@ def _client(base_url: str, config: OnlineConfig) -> Any:
         max_retries=0,
         http_client=capped_openai_http_client(lambda request: limit.bytes_for(request.content)),
     )
-
-
-def seeds_requests(config: OnlineConfig, server_given: bool) -> bool:
-    """Whether the sampled batch seeds each request: not on a local CPU build of vLLM, whose engine dies on a seeded
-    request whose prompt is prefilled in chunks (vLLM 0.32 rewinds that request's random generator after the
-    discarded chunk, which only a CUDA generator can: "CPU Generator does not use offset", and every request in
-    flight then fails with a 500). A server given by URL is taken to be a GPU's."""
-    return server_given or accelerator.vllm_build(config.python) != accelerator.CPU
-
-
-def request_seed(sample_id: str) -> int:
-    """A sampled request's seed, from its sample id: the same prompt draws the same way in every run."""
-    return int(digest(sample_id, 8), 16)
 
 
 async def _complete(
@@ -408,6 +396,25 @@ def _say_failures(say: Callable[[str], None], label: str, set_name: str, batch: 
         )
 
 
+def _sampled_batch(
+    url: str, model: str, prompts: Sequence[Prompt], config: OnlineConfig, say: Callable[[str], None], label: str,
+    set_name: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The trained draft's acceptance batch again at ``config.sampled_temperature``: its counts, and whether its
+    requests were seeded (:func:`seeds_requests`)."""
+    temperature, seeded = config.sampled_temperature, seeds_requests(config.python, config.draft_url is not None)
+    how = "each request seeded by its sample id" if seeded else "unseeded (a CPU vLLM cannot seed a request)"
+    say(f"online [{label}] {set_name}: acceptance again at temperature {temperature:g}, {how}")
+    run = measure(url, model, prompts, config, True, temperature, seeded)
+    _say_failures(say, label, set_name, f"temperature-{temperature:g} batch", run)
+    return {
+        "temperature": temperature,
+        "seeded": seeded,
+        "failed": len(run.failures),
+        **summary(run.generations, config.k),
+    }
+
+
 def evaluate_online(
     verifier: Path,
     drafts: Mapping[str, Path],
@@ -450,15 +457,6 @@ def evaluate_online(
         _say_failures(say, label, set_name, "speed batch", _checked(draft_url, draft_run, config, True))
         return plain_run, draft_run
 
-    def sampled(draft_url: str, label: str, set_name: str) -> dict[str, Any]:
-        temperature, seeded = config.sampled_temperature, seeds_requests(config, config.draft_url is not None)
-        how = "each request seeded by its sample id" if seeded else "unseeded (a CPU vLLM cannot seed a request)"
-        say(f"online [{label}] {set_name}: acceptance again at temperature {temperature:g}, {how}")
-        run = measure(draft_url, name, prompt_sets[set_name], config, True, temperature, seeded)
-        _say_failures(say, label, set_name, f"temperature-{temperature:g} batch", run)
-        counts = summary(run.generations, config.k)
-        return {"temperature": temperature, "seeded": seeded, "failed": len(run.failures), **counts}
-
     stats: list[AcceptanceStats] = []
     mismatches: dict[str, dict[str, list[str]]] = {set_name: {} for set_name in prompt_sets}
     plain_speed: dict[str, list[GenerationRun]] = {set_name: [] for set_name in prompt_sets}
@@ -479,11 +477,13 @@ def evaluate_online(
                         plain_run, draft_run = paired(plain_url, draft_url, label, set_name)
                         plain_speed[set_name].append(plain_run)
                         reference, other = reference + plain_run.generations, other + draft_run.generations
-                    # no speed batch for a baseline while the trained draft has one: no tok/s, no speed-up
-                    by_run = config.speed_prompts <= 0
-                    s = acceptance_stats(label, config.k, run, draft_run, set_name, plain_run, by_run)
+                    # a baseline gets no speed batch when the trained draft has one: then no tok/s, no speed-up
+                    s = acceptance_stats(
+                        label, config.k, run, draft_run, set_name, plain_run, config.speed_prompts <= 0
+                    )
                     if trained and config.sampled_temperature > 0:
-                        s.extra["sampled"] = sampled(draft_url, label, set_name)
+                        prompts = prompt_sets[set_name]
+                        s.extra["sampled"] = _sampled_batch(draft_url, name, prompts, config, say, label, set_name)
                     mismatches[set_name][label] = list(dict.fromkeys(mismatched(reference, other)))
                     say(
                         f"online [{label}] {set_name}: mean acceptance length {s.mean_acceptance_length:.3f} over "

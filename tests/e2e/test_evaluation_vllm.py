@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.evaluation.acceptance_counts import by_prompt_length
+from eagle3_assets.evaluation.acceptance_counts import by_prompt_length, seeds_requests
 from eagle3_assets.evaluation.online_metrics import (
     OnlineConfig,
     Prompt,
@@ -20,7 +20,6 @@ from eagle3_assets.evaluation.online_metrics import (
     local_server,
     measure,
     mismatched,
-    seeds_requests,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -56,7 +55,7 @@ def test_greedy_identity_with_and_without_a_draft(vllm_server, tiny_model_dir: P
     with local_server(tiny_model_dir, config, vllm_server.model_name, draft_dir) as server:
         spec = measure(server.base_url, server.model_name, prompts, config, speculative=True)
         # sampling: vLLM's rejection sampling reports the same per-request metrics; seeded only where the server can
-        seeded = seeds_requests(config, server_given=False)
+        seeded = seeds_requests(config.python, server_given=False)
         sampled = measure(server.base_url, server.model_name, prompts, config, True, 0.7, seeded)
         # 64 prompts at once hold far more prompt tokens than a step's 2,048, so vLLM prefills some in chunks: a
         # seeded request there killed the CPU engine ("CPU Generator does not use offset"), every request of make

@@ -7,10 +7,10 @@ from eagle3_assets.evaluation.acceptance_counts import (
     Generation,
     breakdown_line,
     by_prompt_length,
+    request_seed,
     summary,
 )
 from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, EvaluationReport, OnlineRun
-from eagle3_assets.evaluation.online_metrics import request_seed
 
 K = 3
 

@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from eagle3_assets.evaluation.acceptance_counts import breakdown_line
+from eagle3_assets.evaluation.acceptance_counts import breakdown_line, request_seed
 from eagle3_assets.evaluation.evaluation_report import (
     DOES_NOT_PAY,
     INCONCLUSIVE,
@@ -37,7 +37,6 @@ from eagle3_assets.evaluation.online_metrics import (
     evaluate_online,
     generate_paired,
     paired_order,
-    request_seed,
 )
 from support.chat_stub import ChatHandler, chat_completion
 from support.common import stub_http_server
