@@ -14,7 +14,7 @@ def test_forwarded_subcommands_receive_leading_options(capsys) -> None:
         cli.main(["tiny-model", "--help"])  # argparse's REMAINDER alone would reject a leading --help
     assert stopped.value.code == 0
     assert "usage: eagle3 tiny-model" in capsys.readouterr().out
-    assert set(cli.FORWARDED) == {"tiny-model", "serve-local", "demo", "evaluate", "plan"}
+    assert set(cli.FORWARDED) == {"tiny-model", "serve-local", "demo", "evaluate", "plan", "tables"}
     assert cli.FORWARDED["evaluate"][0] == "eagle3_assets.cli.evaluate_command"
 
 
