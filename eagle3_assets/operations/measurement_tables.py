@@ -81,15 +81,27 @@ def render_training(record: dict[str, Any]) -> str:
         ["training samples", training.get("train_samples", "-")],
         ["optimizer steps", training.get("steps", "-")],
         ["tokens trained", training.get("tokens_trained", "-")],
-        ["epochs", training.get("epochs", "-")],
+        ["epochs", training.get("epochs", (training.get("config") or {}).get("epochs", "-"))],
         ["validation loss, last epoch", _num(val_loss[-1] if isinstance(val_loss, list) else val_loss)],
         ["validation loss, untrained draft", _num(training.get("val_loss_untrained"))],
     ]
     return _table(["", ""], rows)
 
 
+def _sampled(report: dict[str, Any]) -> dict[tuple[str, str], str]:
+    """(prompt set, "draft (method)") -> the mean acceptance length of its sampled batch, "at T" (none: greedy only)."""
+    out = {}
+    for stats in report.get("stats") or []:
+        sampled = (stats.get("extra") or {}).get("sampled")
+        if sampled and sampled.get("mean_acceptance_length") is not None:
+            where = (stats["prompt_set"], f"{stats['label']} ({stats['method']})")
+            out[where] = f"{sampled['mean_acceptance_length']:.3f} at {sampled['temperature']:g}"
+    return out
+
+
 def render_evaluation(record: dict[str, Any]) -> str:
     report = record.get("evaluation") or {}
+    sampled = _sampled(report)
     rows = []
     for prompt_set, drafts in (report.get("summary") or {}).items():
         for name, figures in drafts.items():
@@ -99,17 +111,12 @@ def render_evaluation(record: dict[str, Any]) -> str:
                 bounds = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
                 speed = f"{figures['speedup']:.2f}{bounds} {figures.get('speedup_verdict') or ''}".rstrip()
             positions = ", ".join(_num(x) for x in figures.get("acceptance_rate_per_position") or [])
-            rows.append([prompt_set, name, figures.get("drafts", "-"), _num(figures.get("mean_acceptance_length")),
-                         positions or "-", speed, figures.get("failed", 0)])  # fmt: skip
-    header = [
-        "prompt set",
-        "draft (method)",
-        "drafts",
-        "mean acc. len",
-        "acc. per position",
-        "speed-up [95%]",
-        "failed",
-    ]
+            greedy = _num(figures.get("mean_acceptance_length"))
+            sampled_text = sampled.get((prompt_set, name), "-")
+            rows.append([prompt_set, name, figures.get("drafts", "-"), greedy, sampled_text, positions or "-", speed,
+                         figures.get("failed", 0)])  # fmt: skip
+    header = ["prompt set", "draft (method)", "drafts", "mean acc. len", "sampled", "acc. per position",
+              "speed-up [95%]", "failed"]  # fmt: skip
     return _table(header, rows)
 
 
