@@ -148,12 +148,16 @@ def rerendered(text: str, docs: Path = DOCS) -> tuple[str, list[str]]:
     return BLOCK.sub(redraw, text), changed
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3 tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="Markdown files holding rendered blocks")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is stale")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder the blocks' file names are relative to")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     stale = []
     for path in args.files:
         text, changed = rerendered(path.read_text(), args.docs)
