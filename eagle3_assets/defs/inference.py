@@ -23,6 +23,7 @@ from eagle3_assets.core.settings import setting
 from eagle3_assets.defs.resources import SettingsResource
 from eagle3_assets.generation.generation_config import GenerationConfig
 from eagle3_assets.generation.inference_settings import InferenceServerSettings, RemoteVLLMSettings
+from eagle3_assets.local import accelerator
 from eagle3_assets.local.verifier_settings import VerifierSettings
 from eagle3_assets.local.vllm_server import DEFAULT_STARTUP_TIMEOUT_S
 
@@ -51,6 +52,15 @@ class LocalVLLMResource(InferenceServerResource):
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         super().setup_for_execution(context)
         settings.check_not_blank("model_path", self.model_path)
+        if self.seed is not None and not accelerator.seeds_safe(accelerator.vllm_build()):
+            # refused before anything starts: on this build every seeded request of a busy server would fail
+            raise settings.fail(
+                "seed",
+                self.seed,
+                "the local vLLM is its CPU build, whose engine dies on a seeded request whose prompt it prefills in "
+                "chunks (every request in flight then fails); leave seed empty for this server, or seed against a "
+                "CUDA build (make install-vllm ACCEL=cuda) or a server given by EAGLE3_VLLM_BASE_URL",
+            )
         # lazy: looked up when called, so a test can replace it
         from eagle3_assets.local.vllm_server import LocalVLLMServer
 

@@ -150,11 +150,8 @@ def breakdown_line(prompt_set: str, label: str, greedy: float, extra: Mapping[st
 
 def seeds_requests(python: Path | None, server_given: bool) -> bool:
     """Whether the sampled batch seeds each request: not on a local CPU build of vLLM (``python``, the interpreter of
-    the local servers), whose engine dies on a seeded request whose prompt is prefilled in chunks (vLLM 0.32 rewinds
-    that request's random generator after the discarded chunk, which only a CUDA generator can: "CPU Generator does
-    not use offset", and every request in flight then fails with a 500). A server given by URL is taken to be a
-    GPU's."""
-    return server_given or accelerator.vllm_build(python) != accelerator.CPU
+    the local servers; ``accelerator.seeds_safe``). A server given by URL is taken to be a GPU's."""
+    return server_given or accelerator.seeds_safe(accelerator.vllm_build(python))
 
 
 def request_seed(sample_id: str) -> int:

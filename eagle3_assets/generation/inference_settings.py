@@ -46,7 +46,7 @@ class InferenceServerSettings(SettingsModel):
     top_p: float | None = setting(GenerationConfig.top_p, gt=0.0, le=1.0)
     """Top-p; empty: the model's default."""
     seed: int | None = setting(GenerationConfig.seed)
-    """Sampling seed per request; empty: none. Leave it empty on the CPU build of vLLM (0.32): its engine dies on a
+    """Sampling seed per request; empty: none. Refused for the embedded CPU build of vLLM (0.32): its engine dies on a
     seeded request whose prompt it prefills in chunks."""
     extra_body_json: str = setting("", env="EAGLE3_EXTRA_BODY", check=settings.check_json_object)
     """Extra JSON fields for each request, e.g. `{"ignore_eos": true}`."""

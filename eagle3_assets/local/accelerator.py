@@ -8,6 +8,8 @@
 * the hidden-states connector of an extraction server: the project's ``CPUHiddenStatesConnector`` on the CPU build
   (vLLM's stock connector needs pinned memory and CUDA events), vLLM's stock ``ExampleHiddenStatesConnector`` on
   the CUDA build;
+* seeds: the CPU build's engine dies on seeded requests prefilled in chunks (:func:`seeds_safe`): the sampled
+  acceptance batch goes unseeded there, and generation with a seed is refused before the server starts;
 * memory: the CPU build takes ``VLLM_CPU_KVCACHE_SPACE`` (``VLLMServerConfig.kv_cache_gib``); the CUDA build would
   take 90% of the GPU per server, so that the servers a run starts side by side on one GPU (the demo's generation
   server, then evaluation's) fit, each gets ``--gpu-memory-utilization`` ``GPU_SHARE`` and a KV cache of
@@ -56,6 +58,13 @@ def vllm_build(python: Path | str | None = None) -> str:
 
     path = Path(python) if python is not None else default_vllm_python()
     return _build_of(str(path.absolute()))
+
+
+def seeds_safe(build: str) -> bool:
+    """Whether a server of this build survives seeded requests. vLLM 0.32's CPU engine does not: on a seeded request
+    whose prompt it prefills in chunks it rewinds the request's random generator after the discarded chunk, which
+    only a CUDA generator can ("CPU Generator does not use offset"), and every request in flight fails with a 500."""
+    return build != CPU
 
 
 def server_dtype(build: str) -> str:

@@ -184,3 +184,35 @@ def test_evaluation_servers_follow_the_build(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CPU)
     plain, draft = (local_server(Path("/models/v"), OnlineConfig(), "v", d) for d in (None, Path("/drafts/d")))
     assert (plain.dtype, plain.extra_args, draft.extra_args) == ("float32", (), PER_REQUEST_METRICS_ARGS)
+
+
+def test_a_seed_is_refused_for_the_local_cpu_vllm_before_its_server_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dagster as dg
+
+    from eagle3_assets.defs.inference import LocalVLLMResource
+    from eagle3_assets.local import vllm_server
+
+    started: list[dict[str, Any]] = []
+
+    class RecordedServer:  # stands in for the vLLM process: records that it was started
+        def __init__(self, **kwargs: Any) -> None:
+            self.kwargs = kwargs
+
+        def start(self) -> None:
+            started.append(self.kwargs)
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(vllm_server, "LocalVLLMServer", RecordedServer)
+    seeded = LocalVLLMResource(model_path=str(tmp_path), seed=7)
+    monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CPU)
+    with pytest.raises(ConfigError, match=r"seed=7: the local vLLM is its CPU build.*leave seed empty"):
+        seeded.setup_for_execution(dg.build_init_resource_context())
+    assert started == []  # refused before the server (and any request) started
+    LocalVLLMResource(model_path=str(tmp_path)).setup_for_execution(dg.build_init_resource_context())
+    monkeypatch.setattr(accelerator, "vllm_build", lambda python=None: accelerator.CUDA)
+    seeded.setup_for_execution(dg.build_init_resource_context())
+    assert len(started) == 2  # unseeded on the CPU build, seeded on the CUDA build
