@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_assets.core.settings import REPO_ROOT
+from eagle3_assets.core.storage import write_bytes_atomic
 
 DOCS = REPO_ROOT / "docs"
 BLOCK = re.compile(
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, changed = rerendered(path.read_text(), args.docs)
         stale += [f"{path}: {block}" for block in changed]
         if changed and not args.check:
-            path.write_text(text)
+            write_bytes_atomic(text.encode(), path)  # a stop mid-write leaves the old page, not half of it
     for line in stale:
         print(("stale: " if args.check else "rendered: ") + line)
     return 1 if stale and args.check else 0
