@@ -200,9 +200,11 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, send: Callable[[int, int], None] = os.kill) -> bool:
+    """Whether signal 0 reaches ``pid``: a process, or with ``send=os.killpg`` a process group (one another user
+    owns exists too)."""
     try:
-        os.kill(pid, 0)
+        send(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:

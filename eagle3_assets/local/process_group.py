@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from eagle3_assets.core.storage import pid_alive
+
 # A stop takes at most this long, whatever the server does with SIGINT and SIGTERM. Issue 31 allows a stage 30 s
 # from a signal to its end with no process left, and an interrupted stage still has to stop its server inside that.
 STOP_BUDGET_S = 15.0
@@ -73,12 +75,8 @@ def _wait_gone(pgid: int, pid: int, tree: set[int], timeout_s: float, process: s
 
 
 def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pgid, send=os.killpg):
         return True
-    except PermissionError:
-        return False
     # The engine core may outlive the API server briefly; a zombie leader alone still counts as "gone".
     return only_zombies(pgid)
 

@@ -16,86 +16,21 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
 from eagle3_assets.core.storage import DataLayout, write_parquet_atomic
 from eagle3_assets.prompts.conversations import normalize_row
 
 DEFAULT_COUNT = 3000
 DEFAULT_SEED = 0
 
-_TOPICS = [
-    "photosynthesis",
-    "black holes",
-    "the French Revolution",
-    "compound interest",
-    "plate tectonics",
-    "the immune system",
-    "neural networks",
-    "supply and demand",
-    "the water cycle",
-    "quantum entanglement",
-    "the Roman Empire",
-    "climate change",
-    "vaccines",
-    "blockchains",
-    "the printing press",
-    "jazz music",
-    "coral reefs",
-    "volcanoes",
-    "the stock market",
-    "renewable energy",
-    "DNA replication",
-    "gravity waves",
-    "the Silk Road",
-    "sleep",
-    "inflation",
-    "bees",
-    "electric cars",
-    "the internet",
-    "glaciers",
-    "chess openings",
-]
-_AUDIENCES = ["a ten-year-old", "a high-school student", "a busy executive", "a software engineer", "my grandmother"]
-_LANGS = ["Python", "Rust", "Go", "TypeScript", "C++", "Java", "SQL", "Bash"]
-_TASKS = [
-    "reverses a linked list",
-    "checks whether a string is a palindrome",
-    "merges two sorted arrays",
-    "computes the n-th Fibonacci number iteratively",
-    "parses a CSV line with quoted fields",
-    "finds the longest common prefix of a list of strings",
-    "implements binary search",
-    "counts word frequencies in a text",
-    "validates an email address",
-    "flattens a nested list",
-    "implements an LRU cache",
-    "computes the median of a stream of numbers",
-    "detects a cycle in a graph",
-    "rotates a matrix by 90 degrees",
-    "removes duplicates while keeping order",
-    "converts Roman numerals",
-]
-_NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun"]
-_ITEMS = ["apples", "books", "marbles", "tickets", "coins", "pencils", "stickers", "cookies"]
-_CHAT = [
-    "Can you suggest a name for my {adj} {pet}?",
-    "What should I cook tonight with {a}, {b} and rice?",
-    "Write a short poem about {topic}.",
-    "Give me three tips for staying focused while studying {topic}.",
-    "Draft a polite email asking my manager for a day off next {day}.",
-    "What are some fun things to do in {city} on a rainy day?",
-    "Summarize the main ideas of {topic} in five bullet points.",
-    "Tell me a short story about a {adj} {pet} who learns about {topic}.",
-]
-_ADJ = ["curious", "lazy", "brave", "tiny", "grumpy", "cheerful"]
-_PETS = ["cat", "dog", "parrot", "turtle", "hamster", "goldfish"]
-_FOODS = ["eggs", "spinach", "tomatoes", "chickpeas", "mushrooms", "tofu", "cheese", "potatoes"]
-_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
-_CITIES = ["Lisbon", "Tokyo", "Nairobi", "Montreal", "Oslo", "Lima", "Hanoi", "Prague"]
-_SYSTEMS = [
-    "You are a helpful assistant.",
-    "You are a concise assistant. Answer briefly.",
-    "You are a patient tutor who explains step by step.",
-]
+# The words the prompts are made of: data, kept beside the sample they build (a list per slot).
+_VOCABULARY: dict[str, list[str]] = json.loads(
+    (SAMPLE_PROMPTS_PATH.parent / "sample_vocabulary.json").read_text("utf-8")
+)
+_TOPICS, _AUDIENCES, _LANGS, _TASKS = (_VOCABULARY[k] for k in ("topics", "audiences", "langs", "tasks"))
+_NAMES, _ITEMS, _CHAT, _SYSTEMS = (_VOCABULARY[k] for k in ("names", "items", "chat", "systems"))
+_ADJ, _PETS, _FOODS, _DAYS, _CITIES = (_VOCABULARY[k] for k in ("adj", "pets", "foods", "days", "cities"))
+_FOLLOW_UPS, _RESPONSE_WORDS = _VOCABULARY["follow_ups"], _VOCABULARY["response_words"]
 
 
 def _math(rng: random.Random) -> str:
@@ -170,15 +105,7 @@ def _row(index: int, rng: random.Random) -> dict[str, object]:
     if multi_turn:
         first, follow_up = (
             make(rng),
-            rng.choice(
-                [
-                    "Can you make that shorter?",
-                    "Now explain it differently.",
-                    "What is a common mistake here?",
-                    "Give one more example.",
-                    "Why does that work?",
-                ]
-            ),
+            rng.choice(_FOLLOW_UPS),
         )
         turns = [("user", first), ("assistant", "Here is a first answer: " + first.lower()[:80]), ("user", follow_up)]
     else:
@@ -215,14 +142,6 @@ def write_sample(path: Path, count: int = DEFAULT_COUNT, seed: int = DEFAULT_SEE
         for row in make_sample_rows(count, seed):
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
-
-
-_RESPONSE_TEXT = (
-    "the a of to and in is it that for on with as was by this be are from at or an which have not but "
-    "model token draft verifier layer hidden state train loss mask batch step epoch vocab answer think "
-    "prompt reason first then next because so we can see value sum two three four five six seven eight"
-)
-_RESPONSE_WORDS = _RESPONSE_TEXT.split()
 
 
 def fabricate_responses(

@@ -122,6 +122,14 @@ def test_shipped_sample_is_clean_and_varied() -> None:
     assert {"math", "code", "chat", "reasoning"} <= categories
 
 
+def test_shipped_sample_is_rebuilt_byte_for_byte(tmp_path: Path) -> None:
+    """The module docstring's promise: its words (data/sample_vocabulary.json) and seed make the shipped file."""
+    from eagle3_assets.core.settings import SAMPLE_PROMPTS_PATH
+    from eagle3_assets.prompts.sample_data import write_sample
+
+    assert write_sample(tmp_path / "sample.jsonl").read_bytes() == SAMPLE_PROMPTS_PATH.read_bytes()
+
+
 def test_first_turn_keeps_a_leading_system_turn_and_the_first_user_turn(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "conversations": [{"from": "gpt", "value": "split"}, {"from": "human", "value": "q1"},
