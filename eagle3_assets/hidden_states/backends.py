@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from eagle3_assets.core.precision import AUTO
 from eagle3_assets.core.settings import ConfigError
 from eagle3_assets.hidden_states.hf_backend import HFBackend
 from eagle3_assets.hidden_states.vllm_backend import VLLMBackend
@@ -107,7 +108,7 @@ def make_backend(
     batch_tokens: int,
     vllm_options: VLLMBackendOptions | None = None,
     log: Callable[[str], None] | None = None,
-    precision: str = "auto",
+    precision: str = AUTO,
 ) -> HiddenStateBackend:
     if name == "hf":
         return HFBackend(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_assets.core.precision import resolve_precision
+from eagle3_assets.core.precision import AUTO, resolve_precision
 from eagle3_assets.core.settings import ConfigError
 
 # padded tokens per forward pass (both backends batch by it; larger fills a GPU better, 8k suits 2 CPU cores)
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 DEVICE_KEY = "EAGLE3_DEVICE"
 
 
-def load_options(device: str, precision: str = "auto") -> tuple[dict[str, Any], bool]:
+def load_options(device: str, precision: str = AUTO) -> tuple[dict[str, Any], bool]:
     """``from_pretrained`` keyword arguments for ``device`` and ``precision``, and whether compute is on GPUs."""
     # lazy: loads torch (heavy), which only this path needs
     import torch
@@ -57,10 +57,10 @@ class HFBackend:
         self,
         verifier_path: str | Path,
         layer_ids: list[int],
-        store_dtype: str = "bfloat16",
-        device: str = "auto",
+        store_dtype: str,
+        device: str = AUTO,
         batch_tokens: int = BATCH_TOKENS,
-        precision: str = "auto",
+        precision: str = AUTO,
     ) -> None:
         # lazy: loads torch (heavy), which only this path needs
         import torch

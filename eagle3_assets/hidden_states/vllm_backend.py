@@ -125,7 +125,7 @@ class VLLMBackend:
         self,
         verifier_path: str | Path,
         layer_ids: list[int],
-        store_dtype: str = "bfloat16",
+        store_dtype: str,
         batch_tokens: int = BATCH_TOKENS,  # the servers place the model: no device here, unlike the hf backend
         options: VLLMBackendOptions | None = None,
         log: Callable[[str], None] | None = None,
