@@ -56,11 +56,18 @@ def split_partitions(keys: list[str], val_partition: str) -> tuple[list[str], st
     return [k for k in keys if k != val], val
 
 
-class VocabMappingRunConfig(SettingsConfig):
+class HeldOutRunConfig(SettingsConfig):
+    """The run config of the assets that hold one partition out (vocab_mapping, draft_model): declared once, picked
+    by the one rule (``split_partitions``), so the vocabulary never counts the partition the draft validates on."""
+
+    val_partition: str = setting("")
+    """Held-out partition (not trained on, not counted in the vocabulary); empty: the last hidden_states partition
+    whose checks passed."""
+
+
+class VocabMappingRunConfig(HeldOutRunConfig):
     draft_vocab_size: int = setting(DRAFT_VOCAB_SIZE, gt=0)
     """Draft vocabulary size (capped at the verifier's)."""
-    val_partition: str = setting("")
-    """Held-out partition (not counted); empty: the last one whose checks passed."""
 
 
 @dg.asset(
@@ -98,7 +105,7 @@ def vocab_mapping(
     )
 
 
-class DraftModelRunConfig(SettingsConfig):
+class DraftModelRunConfig(HeldOutRunConfig):
     """The draft_model asset's run config; ``train_config`` turns it into the core's TrainConfig."""
 
     epochs: int = setting(TrainConfig.epochs, gt=0)
@@ -111,8 +118,6 @@ class DraftModelRunConfig(SettingsConfig):
     """Training-time-test steps (draft positions trained)."""
     num_layers: int = setting(TrainConfig.num_layers, gt=0)
     """Draft decoder layers."""
-    val_partition: str = setting("")
-    """Held-out partition; empty: the last hidden_states partition."""
     max_steps_per_epoch: int | None = setting(TrainConfig.max_steps_per_epoch, gt=0)
     """Cap on steps per epoch; empty: none."""
     max_val_batches: int | None = setting(TrainConfig.max_val_batches, gt=0)
