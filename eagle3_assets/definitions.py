@@ -1,8 +1,11 @@
 """The Dagster code location: ``dagster dev -w workspace.yaml`` loads ``defs`` from here.
 
-Every module of the ``defs/`` folder is loaded the way Dagster's project layout does it (``dg.load_from_defs_folder``,
-configured by ``[tool.dg]`` in pyproject.toml), so a new asset file needs no second edit; this module adds what is
-the code location's own: the resources, the opt-in automation and the executor.
+Every module of the ``defs/`` folder is loaded the way Dagster's project layout does it, so a new asset file needs no
+second edit: the component tree of ``eagle3_assets.defs`` (what ``dg.load_from_defs_folder`` builds once it has read
+``[tool.dg]`` from pyproject.toml), built from the module itself, because an installed wheel has no pyproject.toml
+beside it (``load_from_defs_folder`` fails there: a deployment's image or a ``pip install .``). ``[tool.dg]`` stays for
+the ``dg`` CLI in a checkout. This module adds what is the code location's own: the resources, the opt-in automation
+and the executor.
 
 Nothing heavy is imported at load (no torch, transformers or speculators): the assets import them
 inside their bodies, so the UI and the daemon load the code in a couple of seconds.
@@ -10,10 +13,10 @@ inside their bodies, so the UI and the daemon load the code in a couple of secon
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import dagster as dg
 
+import eagle3_assets.defs
+from eagle3_assets.core.settings import PACKAGE_DIR
 from eagle3_assets.defs.automation import with_automation
 from eagle3_assets.defs.registry import default_resources
 from eagle3_assets.environment import code_location_settings
@@ -25,7 +28,7 @@ def _unique(items: object) -> list:  # type: ignore[type-arg]
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    found = dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+    found = dg.ComponentTree.from_module(defs_module=eagle3_assets.defs, project_root=PACKAGE_DIR.parent).build_defs()
     assets, sensors = with_automation(_unique(found.assets), code_location_settings())
     return dg.Definitions(
         assets=assets,
