@@ -105,8 +105,16 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
         (
             "speedup",
             "float",
-            "Online: median per-prompt tokens/s ratio over the plain verifier's (paired requests; the interval and "
-            "the verdict are in report_markdown); empty where a speed request failed.",
+            "Online: median per-prompt tokens/s ratio over the plain verifier's (paired requests); empty where a "
+            "speed request failed.",
+        ),
+        ("speedup_low", "float", "Online: the speed-up's 95% bootstrap interval, lower bound (prompts resampled)."),
+        ("speedup_high", "float", "Online: the speed-up's 95% bootstrap interval, upper bound."),
+        (
+            "speedup_verdict",
+            "string",
+            "Online: pays (the interval above 1.0), does not pay (below), inconclusive (holds 1.0), withheld (a speed "
+            "request failed).",
         ),
         ("speed_requests_failed", "int", "Online: failed speed requests, this draft's and the plain verifier's."),
     ]
@@ -122,10 +130,14 @@ def evaluation_table(report: "EvaluationReport") -> dg.TableMetadataValue:
             **{name: round(rate, 4) for name, rate in zip(positions, s.acceptance_rate_per_position, strict=False)},
             "tokens_per_second": round(s.tokens_per_second, 2) if s.tokens_per_second is not None else None,
             "speedup": None,
+            "speedup_low": None,
+            "speedup_high": None,
+            "speedup_verdict": report.verdict(s.label, s.prompt_set) if s.method == "online" else None,
             "speed_requests_failed": report.speed_failed(s.label, s.prompt_set) if s.method == "online" else None,
         }
-        if s.method == "online" and (speedup := report.speedup(s.label, s.prompt_set)) is not None:
-            record["speedup"] = round(speedup, 3)
+        if s.method == "online" and (interval := report.speedup_interval(s.label, s.prompt_set)) is not None:
+            for name, value in zip(("speedup", "speedup_low", "speedup_high"), interval, strict=True):
+                record[name] = round(value, 3) if value is not None else None
         records.append(record)
     return table(records, columns)
 
@@ -186,6 +198,9 @@ def evaluation_metadata(report: "EvaluationReport", layout: "DataLayout") -> dic
             )
         elif (speedup := report.speedup(s.label, s.prompt_set)) is not None:
             metadata[f"speedup_{s.label}{where}"] = dg.MetadataValue.float(round(speedup, 3))
+            metadata[f"speedup_verdict_{s.label}{where}"] = dg.MetadataValue.text(
+                str(report.verdict(s.label, s.prompt_set))
+            )
     for label in report.labels():
         diff = report.agreement(label)
         if diff is not None:

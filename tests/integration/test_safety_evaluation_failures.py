@@ -152,6 +152,7 @@ def test_a_failed_baseline_speed_request_withholds_the_speed_up(draft: tuple[Pat
     assert "withheld: 1 speed requests failed" in metadata["speedup_trained_humaneval"].value
     (record,) = metadata["table"].records
     assert record.data["speedup"] is None and record.data["speed_requests_failed"] == 1
+    assert record.data["speedup_verdict"] == "withheld" and record.data["speedup_low"] is None
 
 
 def test_the_cli_table_shows_the_failed_count(

@@ -108,6 +108,26 @@ def test_the_table_notes_and_json_give_the_interval_and_the_verdict(tmp_path: Pa
     assert AcceptanceStats.from_dict(data["stats"][0]).speed_ratios == pytest.approx(fast)  # round trip
 
 
+def test_the_dagster_table_and_metadata_carry_the_interval_and_the_verdict(tmp_path: Path) -> None:
+    """The UI's sortable table and the materialization's metadata, not only report_markdown, say whether it pays."""
+    from eagle3_assets.core.storage import DataLayout
+    from eagle3_assets.defs.evaluation import evaluation_metadata
+
+    fast = [1.2, 1.3, 1.25, 1.15, 1.35, 1.22, 1.28, 1.31] * 4
+    mixed = [0.7, 1.4, 0.8, 1.3, 0.9, 1.2, 1.0, 1.1] * 4
+    report = _report(_stats("trained", _pairs(fast)), _stats("other", _pairs(mixed)))
+    metadata = evaluation_metadata(report, DataLayout.at(tmp_path))
+    rows = {r.data["draft"]: r.data for r in metadata["table"].records}
+    median, low, high = speedup_interval(fast)
+    trained = rows["trained"]
+    assert (trained["speedup"], trained["speedup_low"], trained["speedup_high"]) == tuple(
+        round(v, 3) for v in (median, low, high)
+    )
+    assert (trained["speedup_verdict"], rows["other"]["speedup_verdict"]) == (PAYS, INCONCLUSIVE)
+    assert metadata["speedup_verdict_trained_humaneval"].value == PAYS
+    assert metadata["speedup_verdict_other_humaneval"].value == INCONCLUSIVE
+
+
 def test_a_failed_speed_request_on_either_side_withholds_the_speed_up() -> None:
     ratios: list[float | None] = [1.3] * 32
     plain_side = _stats("trained", _pairs(ratios, plain_failed={3}))
