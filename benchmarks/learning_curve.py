@@ -256,7 +256,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--online-k", default=str(SPECULATIVE_TOKENS), help="comma-separated num_speculative_tokens measured online"
     )
-    parser.add_argument("--online-repeats", type=int, default=2, help="online measurements per k (speed-up: mean)")
+    parser.add_argument(
+        "--online-repeats",
+        type=int,
+        default=2,
+        help="online measurements per k (each with its paired speed-up and interval)",
+    )
     parser.add_argument("--online-held-out", type=int, default=64, help="held-out prompts sent online")
     return parser.parse_args(argv)
 
@@ -426,8 +431,9 @@ def write_held_out_prompts(layout: Any, held_out: list[dict[str, Any]]) -> None:
 
 
 def measure_online(args: Any, layout: Any, draft: Path, samples: int, out: Path) -> None:
-    """The draft in vLLM (the project's evaluation): acceptance over every prompt of each set and batch-1 tokens/s
-    with and without it, ``--online-repeats`` times per k; one line per (k, repeat, prompt set) in ``out``."""
+    """The draft in vLLM (the project's evaluation): acceptance over every prompt of each set and the paired batch-1
+    speed-up with its interval and verdict, ``--online-repeats`` times per k; one line per (k, repeat, prompt set) in
+    ``out``."""
     from eagle3_assets.evaluation.evaluate import EvaluationOptions, run_evaluation
     from eagle3_assets.evaluation.online_metrics import OnlineConfig
 
@@ -446,12 +452,16 @@ def measure_online(args: Any, layout: Any, draft: Path, samples: int, out: Path)
                 if stats.method != "online" or stats.label != "trained":
                     continue
                 run = baseline[stats.prompt_set]
+                # paired batch-1 requests: the median per-prompt ratio, its 95% bootstrap interval and the verdict
+                interval = report.speedup_interval("trained", stats.prompt_set)
                 line = {
                     "samples": samples, "draft": str(draft), "k": k, "repeat": repeat, "prompt_set": stats.prompt_set,
                     "prompts": run.prompts, "mean_acceptance_length": stats.mean_acceptance_length,
                     "acceptance_per_position": stats.acceptance_rate_per_position,
                     "tok_s": stats.tokens_per_second, "plain_tok_s": run.baseline_tokens_per_second,
-                    "speed_up": (stats.tokens_per_second or 0.0) / run.baseline_tokens_per_second,
+                    "speed_up": interval[0] if interval else None,
+                    "speed_up_interval": list(interval[1:]) if interval else None,
+                    "speed_up_verdict": report.verdict("trained", stats.prompt_set),
                     "greedy_mismatches": len(run.mismatches.get("trained", [])),
                 }  # fmt: skip
                 with out.open("a") as handle:
