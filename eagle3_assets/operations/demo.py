@@ -422,8 +422,7 @@ def _training_line(data_dir: Path, real: bool) -> str:
     return (
         f"{line}; on the learning curve (docs/real_model.md) that is {samples / point['samples']:.0%} of the "
         f"recipe's {point['samples']:,} samples x {point['epochs']} epochs, whose draft reached a mean acceptance "
-        f"length of {point['humaneval_acceptance']} on HumanEval and a batch-1 speed-up of {point['speed_up']} in "
-        "vLLM at k=3"
+        f"length of {point['humaneval_acceptance']} on HumanEval in vLLM at k=3 (run {point['commit']})"
     )
 
 
