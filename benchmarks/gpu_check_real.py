@@ -239,6 +239,7 @@ def extraction_servers(args: Any, verifier: Path, layer_ids: list[int], storage:
 
 def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Report, row: Row) -> None:
     """Acceptance over all HumanEval problems and batch-1 tokens/s, plain vs draft, ``--repeats`` times."""
+    from eagle3_assets.evaluation.evaluation_report import speedup_interval, speedup_verdict
     from eagle3_assets.evaluation.online_metrics import OnlineConfig, evaluate_online
     from eagle3_assets.evaluation.prompt_sets import HUMANEVAL, humaneval_prompts
 
@@ -251,6 +252,7 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
             served_model_name="verifier", log_dir=args.data / "_logs",
         )  # fmt: skip
         speed_ups, acceptance, plain_rates, draft_rates, tokens = [], [], [], [], 0
+        paired: list[tuple[float, float | None, float | None]] = []  # per repeat: median ratio and 95% interval
         for _ in range(args.repeats):
             result = evaluate_online(verifier, {"trained": draft}, prompts, config, log=lambda _m: None)
             stats = next(s for s in result.stats if s.label == "trained")
@@ -260,6 +262,8 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
             plain_rates.append(plain)
             draft_rates.append(stats.tokens_per_second or 0.0)
             speed_ups.append((stats.tokens_per_second or 0.0) / plain)
+            if stats.speed_ratios:
+                paired.append(speedup_interval(stats.speed_ratios))
             tokens += speed.output_tokens + (stats.output_tokens or 0)
             mismatches = len(result.mismatches[HUMANEVAL].get("trained", []))
     finally:
@@ -269,6 +273,8 @@ def online(args: Any, verifier: Path, draft: Path, plain_url: str, report: Repor
     report.results.update(
         online_humaneval=acceptance[-1],
         speed_up=(statistics.mean(speed_ups), min(speed_ups), max(speed_ups)),
+        speed_up_paired=paired,
+        speed_up_verdicts=[speedup_verdict(interval) for interval in paired],
         plain_tok_s=plain_rates,
         draft_tok_s=draft_rates,
         greedy_mismatches=mismatches,
@@ -451,6 +457,12 @@ def table(report: Report) -> str:
         lines.append(
             f"| batch-1 speed-up (mean; lowest..highest of the repeats) | {mean:.2f} ({low:.2f}..{high:.2f}), "
             f"{results['greedy_mismatches']} greedy mismatches | {cpu_mean:.2f} ({cpu_low:.2f}..{cpu_high:.2f}) |"
+        )
+    for i, (median, low, high) in enumerate(results.get("speed_up_paired", [])):
+        interval = f"[{low:.2f}, {high:.2f}]" if low is not None and high is not None else "(no interval)"
+        lines.append(
+            f"| batch-1 speed-up paired per prompt, repeat {i + 1} (median [95% interval], verdict) "
+            f"| {median:.2f} {interval}, {results['speed_up_verdicts'][i]} | - |"
         )
     lines += ["", f"CPU figures: {CPU_SOURCE}; measured on 2 cores, not on this machine.", *report.notes]
     return "\n".join(lines)

@@ -83,7 +83,7 @@ def test_gpu_path_servers_get_bf16_a_share_of_the_gpu_and_cuda_graphs(monkeypatc
     assert "--per-request-spec-decode-metrics" in draft
 
 
-def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
+def test_gpu_path_online_speed_up_is_paired_per_repeat_beside_the_mean_of_the_repeats(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import types
@@ -91,7 +91,7 @@ def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
     import gpu_check_real
 
     from eagle3_assets.evaluation import online_metrics as online_module
-    from eagle3_assets.evaluation.evaluation_report import AcceptanceStats
+    from eagle3_assets.evaluation.evaluation_report import PAYS, AcceptanceStats, pair_record
 
     class Server:
         base_url = "http://127.0.0.1:2/v1"
@@ -108,6 +108,7 @@ def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
         stats = AcceptanceStats(
             label="trained", method="online", k=3, drafts=10, draft_tokens=30, accepted_tokens=8,
             accepted_per_position=[5, 2, 1], output_tokens=int(draft * 10), seconds=10.0, prompt_set="humaneval",
+            speed_pairs=[pair_record(f"s{i}", "plain", (100, 1.0), (100, plain / draft)) for i in range(8)],
         )  # fmt: skip
         speed = types.SimpleNamespace(output_tokens=int(plain * 10), seconds=10.0)  # the batch-1 run, plain
         return types.SimpleNamespace(
@@ -125,6 +126,9 @@ def test_gpu_path_online_speed_up_is_the_mean_of_the_repeats_with_their_range(
     assert (round(mean, 3), low, high) == (round((1.2 + 1.5 + 1.0) / 3, 3), 1.0, 1.5)
     assert report.results["online_humaneval"] == pytest.approx(1 + 8 / 10)
     row.seconds = 30.0
-    assert "| batch-1 speed-up (mean; lowest..highest of the repeats) | 1.23 (1.00..1.50)" in gpu_check_real.table(
-        report
-    )
+    text = gpu_check_real.table(report)
+    assert "| batch-1 speed-up (mean; lowest..highest of the repeats) | 1.23 (1.00..1.50)" in text
+    # each repeat's paired batch: 8 prompts of the same ratio, so the interval is that ratio and the verdict follows
+    assert [round(m, 3) for m, _low, _high in report.results["speed_up_paired"]] == [1.2, 1.5, 1.0]
+    assert report.results["speed_up_verdicts"] == [PAYS, PAYS, "inconclusive"]
+    assert "repeat 2 (median [95% interval], verdict) | 1.50 [1.50, 1.50], pays | - |" in text
