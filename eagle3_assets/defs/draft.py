@@ -89,10 +89,9 @@ def vocab_mapping(
     )
     return dg.MaterializeResult(
         metadata={
-            "draft_vocab_size": result.draft_vocab_size,
-            "requested_draft_vocab_size": result.requested_draft_vocab_size,
-            "target_vocab_size": result.target_vocab_size,
-            "capped": result.capped,
+            **metadata.same_named(
+                result, "draft_vocab_size", "requested_draft_vocab_size", "target_vocab_size", "capped"
+            ),
             "distinct_assistant_tokens": result.distinct_tokens,
             "assistant_tokens": result.loss_tokens,
             "coverage": dg.MetadataValue.float(round(result.coverage, 6)),

@@ -57,6 +57,11 @@ def parquet_table(path: Path, rows: int, *, partitioned: bool) -> dict[str, Any]
     }
 
 
+def same_named(result: Any, *fields: str) -> dict[str, Any]:
+    """Metadata entries named as the core result's own fields, with their values: one name from engine to UI."""
+    return {name: getattr(result, name) for name in fields}
+
+
 def table(records: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]) -> dg.TableMetadataValue:
     """A sortable table: ``columns`` are (name, dagster type, description); NaN becomes an empty cell."""
     schema = dg.TableSchema(columns=[dg.TableColumn(name, kind, description) for name, kind, description in columns])

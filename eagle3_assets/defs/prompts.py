@@ -7,7 +7,7 @@ import dagster as dg
 
 from eagle3_assets.core.partition_keys import check_partition_key
 from eagle3_assets.defs import plots
-from eagle3_assets.defs.metadata import counts_table, parquet_table
+from eagle3_assets.defs.metadata import counts_table, parquet_table, same_named
 from eagle3_assets.defs.partitions import PROMPT_PARTITIONS
 from eagle3_assets.defs.resources import DataStoreResource, PromptDatasetResource
 from eagle3_assets.prompts import prompt_files, prompt_table
@@ -48,12 +48,8 @@ def raw_prompts(
     return dg.MaterializeResult(
         metadata={
             **parquet_table(result.table_path, result.rows, partitioned=False),
-            "rows_read": result.rows_read,
-            "rejects": result.rejects,
-            "duplicates": result.duplicates,
+            **same_named(result, "rows_read", "rejects", "duplicates", "new_samples", "dropped_samples"),
             **_cut_metadata(result.cut),
-            "new_samples": result.new_samples,
-            "dropped_samples": result.dropped_samples,
             "partitions": len(result.partition_keys),
             "new_partitions": dg.MetadataValue.text(", ".join(new_keys) or "none"),
             "partition_size": result.partition_size,
