@@ -123,7 +123,6 @@ def reason_kind(reason: str) -> str:
     return _REASON_PARTS.sub(_mask, reason)[:100]
 
 
-# long: one streaming pass writes three files that stay temporary (one ExitStack) until the whole dataset is accepted
 def build_prompt_table(
     dataset_path: str | Path,
     layout: Any,
@@ -182,10 +181,8 @@ def build_prompt_table(
         if not positions.in_order:
             _sort_by_position(table_tmp, _sort_folder(layout.prompts_path))
     manifest = {"dataset_path": str(dataset_path), "dataset_file": str(dataset_file), "partition_size": partition_size}
-    manifest["dataset_cut"] = scan.cut.as_dict() if scan.cut is not None else None
-    storage.write_json_atomic(
-        {**manifest, "rows": table.rows, "partition_keys": sorted(keys)}, layout.prompts_manifest_path
-    )
+    manifest |= {"dataset_cut": scan.cut.as_dict() if scan.cut is not None else None, "rows": table.rows}
+    storage.write_json_atomic({**manifest, "partition_keys": sorted(keys)}, layout.prompts_manifest_path)
     return PromptTableResult(
         rows=table.rows,
         rows_read=scan.rows_read,
