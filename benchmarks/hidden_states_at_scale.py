@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 from eagle3_assets.operations.demo_runs import REAL_ASSET_CONFIG
 from eagle3_assets.training.vocab import RECIPE_DRAFT_VOCAB_SIZE
 
@@ -118,7 +119,13 @@ def _train_and_measure(layout: Any, eval_layout: Any, keys: list[str], verifier:
     accept = {}
     for label, key in (("held_out", HELD_OUT_KEY), ("humaneval", HUMANEVAL_KEY)):
         stats = evaluate_offline(
-            {"d": draft}, eval_layout, key, k=3, verifier=verifier, log=lambda _m: None, num_threads=args.threads
+            {"d": draft},
+            eval_layout,
+            key,
+            k=SPECULATIVE_TOKENS,
+            verifier=verifier,
+            log=lambda _m: None,
+            num_threads=args.threads,
         )
         accept[label] = round(stats[0].mean_acceptance_length, 3)
     seconds = result.hidden_states["wait_s"] + result.hidden_states["train_s"]

@@ -291,7 +291,7 @@ def extract_hidden_states(args: Any, layout: Any, keys: list[str]) -> tuple[int,
     hs_config = HiddenStatesConfig(
         device=args.device,
         precision=args.precision,
-        batch_tokens=65536 if args.device != "cpu" else 8192,
+        batch_tokens=65536 if args.device != "cpu" else HiddenStatesConfig.batch_tokens,
         num_threads=args.threads,
     )
     tokens = 0
@@ -381,7 +381,7 @@ def run_points(args: Any, layout: Any, keys: list[str], sizes: list[int], done: 
         accept = {}
         for label, key in (("held_out", HELD_OUT_KEY), ("humaneval", HUMANEVAL_KEY)):
             stats = evaluate_offline(
-                {"trained": draft}, layout, key, k=3, verifier=args.verifier, log=lambda s: None,
+                {"trained": draft}, layout, key, k=SPECULATIVE_TOKENS, verifier=args.verifier, log=lambda s: None,
                 num_threads=args.threads,
             )  # fmt: skip
             accept[label] = stats[0].mean_acceptance_length
