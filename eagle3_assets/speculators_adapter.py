@@ -11,7 +11,6 @@ imported at module load: each accessor imports what it returns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -79,21 +78,15 @@ def batch_preprocess(loss_on: str) -> Callable[[dict[str, Any]], dict[str, Any]]
     return shift_batch_every_position if loss_on == "all" else shift_batch
 
 
-@dataclass(frozen=True)
-class _OptimizerArgs:
-    """The fields of speculators' TrainerConfig that ``build_optimizers`` reads for AdamW."""
-
-    lr: float
-    weight_decay: float
-    optimizer: str = "adamw"
-
-
-def build_optimizers(model: Any, lr: float, weight_decay: float) -> list[Any]:
-    """speculators' AdamW parameter groups (no weight decay on norms and biases)."""
+def build_optimizers(model: Any, lr: float, weight_decay: float, optimizer: str, muon_lr: float | None) -> list[Any]:
+    """speculators' optimizers for ``optimizer``: AdamW alone, or Muon on the 2-D weight matrices beside AdamW on the
+    rest. Muon's momentum, weight decay and Newton-Schulz steps are speculators' own defaults (its config schema)."""
     # lazy: loads torch (heavy), which only this path needs
+    from speculators.train.config.schema import OptimizerArgs
     from speculators.train.optimizers import build_optimizers as build
 
-    return build(model, _OptimizerArgs(lr=lr, weight_decay=weight_decay))
+    args = OptimizerArgs(optimizer=optimizer, lr=lr, weight_decay=weight_decay, muon_lr=muon_lr or lr)
+    return build(model, args)
 
 
 def normalize_counted_metrics(sums: dict[str, float]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from eagle3_assets.net.ports import find_free_port
 from eagle3_assets.training import TrainResult, build_vocab_mapping, train_draft
 from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
 from eagle3_assets.training.launch import TrainSpec, failure_message, torchrun_command, worker_env
-from eagle3_assets.training.train_config import LOSS_ON, TrainConfig
+from eagle3_assets.training.train_config import LOSS_ON, OPTIMIZERS, TrainConfig
 from eagle3_assets.training.vocab import DRAFT_VOCAB_SIZE
 
 if TYPE_CHECKING:
@@ -110,7 +110,12 @@ class DraftModelRunConfig(HeldOutRunConfig):
     epochs: int = setting(TrainConfig.epochs, gt=0)
     """Training epochs."""
     lr: float = setting(TrainConfig.lr, gt=0.0)
-    """AdamW learning rate."""
+    """Learning rate (AdamW's; with `optimizer=muon`, the AdamW group's)."""
+    optimizer: str = setting(TrainConfig.optimizer, check=settings.one_of(*OPTIMIZERS))
+    """`adamw`, or `muon` (speculators' current default: Muon on the draft's 2-D weight matrices, AdamW on norms,
+    biases and the LM head)."""
+    muon_lr: float | None = setting(TrainConfig.muon_lr, gt=0.0)
+    """`optimizer=muon`: the Muon group's learning rate; empty: `lr`."""
     tokens_per_batch: int = setting(TrainConfig.tokens_per_batch, gt=0)
     """Packed tokens per step."""
     ttt_steps: int = setting(TrainConfig.ttt_steps, gt=0)

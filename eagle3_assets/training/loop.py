@@ -212,7 +212,7 @@ def _prepare(
         steps = min(steps, config.max_steps_per_epoch)
     steps = int(ranks.all_reduce(steps, "min"))  # every rank must take the same steps, or DDP waits forever
     data_samples = sum(len(ds) for ds in train_loader.dataset.datasets)
-    optimizers = build_optimizers(core, lr=config.lr, weight_decay=config.weight_decay)
+    optimizers = build_optimizers(core, config.lr, config.weight_decay, config.optimizer, config.muon_lr)
     schedulers = _schedulers(config, optimizers, config.epochs * steps)
     fingerprint = ckpt.fingerprint(
         train_keys, val_key, verifier_path, layer_ids, int(core.draft_vocab_size), config, data_samples

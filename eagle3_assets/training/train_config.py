@@ -12,6 +12,9 @@ from eagle3_assets.core.verifier import SPECULATIVE_TOKENS
 
 INITS = ("token_copy", "speculators")
 LOSS_ON = ("assistant", "all")
+# speculators' optimizers (speculators.train.optimizers): "adamw" over every trainable weight, or "muon" (its current
+# default for new runs: torch.optim.Muon on the draft's 2-D weight matrices, AdamW on norms, biases and the LM head)
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class TrainConfig:
     num_layers: int = 1
     loss_fn: str = "kl_div"
     weight_decay: float = 0.01
+    optimizer: str = "adamw"  # OPTIMIZERS; the recipe's measured drafts were all trained with AdamW
+    muon_lr: float | None = None  # "muon": the Muon group's learning rate; None: lr (speculators' rule)
     scheduler: str = "cosine"  # "cosine", "linear" (both with warmup) or "none"
     warmup_ratio: float = 0.02
     # speculators' resolved eagle3 defaults (vLLM's llama_eagle3 reads all three)
@@ -81,6 +86,10 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr!r}: must be a positive number")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+        if self.muon_lr is not None and not self.muon_lr > 0:
+            raise ConfigError(f"muon_lr={self.muon_lr!r}: must be a positive number or None (the lr)")
         if self.scheduler not in {"cosine", "linear", "none"}:
             raise ConfigError(f"scheduler={self.scheduler!r}: must be cosine, linear or none")
         if self.loss_on not in LOSS_ON:
@@ -120,8 +129,10 @@ class TrainConfig:
         # checks only: the layers trained on are in the fingerprint (the data's own), and so is the data
         ignored |= {"layer_ids", "checked_partitions_only"}
         fields = {k: v for k, v in asdict(self).items() if k not in ignored}
-        if self.loss_on == "assistant":  # the default: fingerprints (and checkpoints) of earlier releases stay valid
-            del fields["loss_on"]
+        # the defaults of fields added later: fingerprints (and checkpoints) of earlier releases stay valid
+        for name, default in (("loss_on", "assistant"), ("optimizer", "adamw"), ("muon_lr", None)):
+            if fields[name] == default:
+                del fields[name]
         return fields
 
 

@@ -205,3 +205,29 @@ def test_validation_runs_under_the_loss_mask_the_draft_trains_with(
         untrained[loss_on] = train_draft(layout, KEYS[:2], KEYS[2], verifier, config, log=lambda _s: None)
     assistant, every = (untrained[k].val_loss_untrained for k in ("assistant", "all"))
     assert assistant != pytest.approx(every, rel=1e-3), (assistant, every)
+
+
+def test_speculators_muon_optimizer_trains_resumes_and_keeps_old_fingerprints(
+    data: DataLayout, verifier: Path, tmp_path: Path
+) -> None:
+    """``optimizer="muon"`` (speculators' current default): Muon on the draft's 2-D weights beside AdamW on the rest,
+    both checkpointed and resumed; AdamW, the default, leaves the fingerprints of earlier releases as they were."""
+    import torch
+
+    from eagle3_assets.training.checkpoints import CHECKPOINT_DIR
+
+    layout = _copy_layout(data, tmp_path)
+    muon = TrainConfig(**{**FAST.__dict__, "epochs": 1, "max_steps_per_epoch": 4, "optimizer": "muon"})
+    first = train_draft(layout, KEYS[:2], KEYS[2], verifier, muon)
+    assert first.val_loss[-1] < first.val_loss_untrained, (first.val_loss, first.val_loss_untrained)
+    (checkpoint,) = sorted((layout.draft_model_dir / CHECKPOINT_DIR).glob("epoch_*.pt"))
+    state = torch.load(checkpoint, weights_only=False)
+    muon_group, adamw_group = (o["param_groups"][0] for o in state["optimizers"])  # both stepped and saved
+    assert "ns_steps" in muon_group and "betas" in adamw_group, (muon_group, adamw_group)
+    longer = train_draft(layout, KEYS[:2], KEYS[2], verifier, TrainConfig(**{**muon.__dict__, "epochs": 2}))
+    assert longer.resumed_from_epoch == 0 and longer.epochs == 2
+
+    assert "optimizer" not in TrainConfig().fingerprint_fields() and "muon_lr" not in TrainConfig().fingerprint_fields()
+    assert muon.fingerprint_fields()["optimizer"] == "muon"
+    with pytest.raises(ConfigError, match="optimizer='sgd'"):
+        TrainConfig(optimizer="sgd").validate()
