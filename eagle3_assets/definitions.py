@@ -13,6 +13,8 @@ inside their bodies, so the UI and the daemon load the code in a couple of secon
 
 from __future__ import annotations
 
+import warnings
+
 import dagster as dg
 
 import eagle3_assets.defs
@@ -28,7 +30,11 @@ def _unique(items: object) -> list:  # type: ignore[type-arg]
 
 
 def build_definitions(resources: dict[str, object] | None = None) -> dg.Definitions:
-    found = dg.ComponentTree.from_module(defs_module=eagle3_assets.defs, project_root=PACKAGE_DIR.parent).build_defs()
+    with warnings.catch_warnings():
+        # as load_from_defs_folder does: the loader calls preview functions of its own
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        tree = dg.ComponentTree.from_module(defs_module=eagle3_assets.defs, project_root=PACKAGE_DIR.parent)
+        found = tree.build_defs()
     assets, sensors = with_automation(_unique(found.assets), code_location_settings())
     return dg.Definitions(
         assets=assets,

@@ -20,6 +20,7 @@ from eagle3_assets.evaluation.evaluation_report import AcceptanceStats, Evaluati
 from eagle3_assets.evaluation.offline import draft_verifier_path, evaluate_offline, load_draft, save_untrained_draft
 from eagle3_assets.evaluation.online_metrics import OnlineConfig
 from eagle3_assets.evaluation.prompt_sets import HELD_OUT, fitting_prompts, load_prompt_set
+from eagle3_assets.hidden_states import publish, versions
 from eagle3_assets.local.verifier_settings import VerifierSettings
 from eagle3_assets.training.online_states import OnlineExtraction, extraction_side
 
@@ -200,9 +201,6 @@ def _offline(
     """The drafts simulated on the held-out partition: one version of it, pinned while it is read, and refused
     when its lineage is stale for these drafts (other responses, another verifier, other layers than the
     trained draft consumes)."""
-    # lazy: loads pydantic (heavy), which only this path needs
-    from eagle3_assets.hidden_states import publish, versions
-
     trained = models["trained"]
     current = {
         "verifier": lineage.verifier_fingerprint(verifier_path, cache_dir=layout.asset_dir("hidden_states")),

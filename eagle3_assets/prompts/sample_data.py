@@ -11,6 +11,7 @@ shapes the loader reads (OpenAI ``messages``, ShareGPT ``conversations``, plain 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -23,14 +24,16 @@ from eagle3_assets.prompts.conversations import normalize_row
 DEFAULT_COUNT = 3000
 DEFAULT_SEED = 0
 
-# The words the prompts are made of: data, kept beside the sample they build (a list per slot).
-_VOCABULARY: dict[str, list[str]] = json.loads(
-    (SAMPLE_PROMPTS_PATH.parent / "sample_vocabulary.json").read_text("utf-8")
-)
-_TOPICS, _AUDIENCES, _LANGS, _TASKS = (_VOCABULARY[k] for k in ("topics", "audiences", "langs", "tasks"))
-_NAMES, _ITEMS, _CHAT, _SYSTEMS = (_VOCABULARY[k] for k in ("names", "items", "chat", "systems"))
-_ADJ, _PETS, _FOODS, _DAYS, _CITIES = (_VOCABULARY[k] for k in ("adj", "pets", "foods", "days", "cities"))
-_FOLLOW_UPS, _RESPONSE_WORDS = _VOCABULARY["follow_ups"], _VOCABULARY["response_words"]
+
+@functools.cache
+def _vocabulary() -> dict[str, list[str]]:
+    """The words the prompts are made of (data, kept beside the sample they build): read once, on first use, not at
+    import (the CLI imports this module for every command)."""
+    return json.loads((SAMPLE_PROMPTS_PATH.parent / "sample_vocabulary.json").read_text("utf-8"))
+
+
+def _words(slot: str) -> list[str]:
+    return _vocabulary()[slot]
 
 
 def _math(rng: random.Random) -> str:
@@ -41,8 +44,8 @@ def _math(rng: random.Random) -> str:
     if kind == 1:
         return f"Solve for x: {c}x + {a} = {b + a * c}."
     if kind == 2:
-        name = rng.choice(_NAMES)
-        item = rng.choice(_ITEMS)
+        name = rng.choice(_words("names"))
+        item = rng.choice(_words("items"))
         return f"{name} has {a} {item} and gives away {min(a, b)} of them, then buys {c} more. How many {item} now?"
     if kind == 3:
         return f"What is the sum of all integers from 1 to {a * c}?"
@@ -50,29 +53,29 @@ def _math(rng: random.Random) -> str:
 
 
 def _code(rng: random.Random) -> str:
-    lang, task = rng.choice(_LANGS), rng.choice(_TASKS)
+    lang, task = rng.choice(_words("langs")), rng.choice(_words("tasks"))
     style = rng.choice(["", " Include tests.", " Explain its time complexity.", " Keep it under 20 lines."])
     return f"Write a {lang} function that {task}.{style}"
 
 
 def _chat(rng: random.Random) -> str:
-    template = rng.choice(_CHAT)
-    a, b = rng.sample(_FOODS, 2)
+    template = rng.choice(_words("chat"))
+    a, b = rng.sample(_words("foods"), 2)
     return template.format(
-        adj=rng.choice(_ADJ),
-        pet=rng.choice(_PETS),
+        adj=rng.choice(_words("adj")),
+        pet=rng.choice(_words("pets")),
         a=a,
         b=b,
-        topic=rng.choice(_TOPICS),
-        day=rng.choice(_DAYS),
-        city=rng.choice(_CITIES),
+        topic=rng.choice(_words("topics")),
+        day=rng.choice(_words("days")),
+        city=rng.choice(_words("cities")),
     )
 
 
 def _reasoning(rng: random.Random) -> str:
     kind = rng.randrange(4)
     if kind == 0:
-        x, y = rng.sample(_NAMES, 2)
+        x, y = rng.sample(_words("names"), 2)
         return f"{x} is taller than {y}. {y} is taller than Kim. Is Kim taller than {x}? Explain your reasoning."
     if kind == 1:
         n = rng.randint(3, 9)
@@ -81,7 +84,8 @@ def _reasoning(rng: random.Random) -> str:
             f"how long do {n * 20} machines take to make {n * 20} widgets?"
         )
     if kind == 2:
-        return f"Explain {rng.choice(_TOPICS)} to {rng.choice(_AUDIENCES)}, reasoning about what they already know."
+        topic, audience = rng.choice(_words("topics")), rng.choice(_words("audiences"))
+        return f"Explain {topic} to {audience}, reasoning about what they already know."
     a = rng.randint(10, 60)
     return (
         f"A train leaves at 9:00 going {a} km/h; another leaves at 10:00 going {a + 20} km/h "
@@ -105,7 +109,7 @@ def _row(index: int, rng: random.Random) -> dict[str, object]:
     if multi_turn:
         first, follow_up = (
             make(rng),
-            rng.choice(_FOLLOW_UPS),
+            rng.choice(_words("follow_ups")),
         )
         turns = [("user", first), ("assistant", "Here is a first answer: " + first.lower()[:80]), ("user", follow_up)]
     else:
@@ -113,7 +117,7 @@ def _row(index: int, rng: random.Random) -> dict[str, object]:
     if shape < 0.5:
         messages = [{"role": r, "content": t} for r, t in turns]
         if rng.random() < 0.3:
-            messages.insert(0, {"role": "system", "content": rng.choice(_SYSTEMS)})
+            messages.insert(0, {"role": "system", "content": rng.choice(_words("systems"))})
         return {"id": sample_id, "messages": messages}
     if shape < 0.8 or multi_turn:
         names = {"user": "human", "assistant": "gpt"}
@@ -160,7 +164,7 @@ def fabricate_responses(
     rng = random.Random(f"{partition_key}-{seed}")
 
     def words(k: int) -> str:
-        return " ".join(rng.choice(_RESPONSE_WORDS) for _ in range(k))
+        return " ".join(rng.choice(_words("response_words")) for _ in range(k))
 
     rows = []
     for i in range(n):
