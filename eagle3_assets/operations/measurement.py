@@ -101,9 +101,10 @@ class MeasurementFile:
             "machine": machine(),
             "settings": self.settings,
             "started": previous.get("started", now),
-            # every start of this run (a resumed run adds one): its stages' seconds are those of the last attempt
-            "attempts": [*previous.get("attempts", []), now],
-            "stages": previous.get("stages", []),  # in the order they ran; a resumed stage replaces its entry
+            "attempts": [*previous.get("attempts", []), now],  # every start of this run: a resumed run adds one
+            # in the order they ran, each with its attempt: a stage a resumed run re-runs (often in seconds, its work
+            # already published) adds an entry beside the earlier attempt's, whose seconds are the work's
+            "stages": previous.get("stages", []),
             "complete": False,
         }
 
@@ -112,10 +113,11 @@ class MeasurementFile:
         return self.directory / f"{self.run}_{self.commit}.json"
 
     def stage(self, name: str, partitions: str, seconds: float, **figures: Any) -> None:
-        stages = [s for s in self.record["stages"] if s["stage"] != name]
+        attempt = len(self.record["attempts"])
+        stages = [s for s in self.record["stages"] if (s["stage"], s.get("attempt", 1)) != (name, attempt)]
         self.record["stages"] = [
             *stages,
-            {"stage": name, "partitions": partitions, "seconds": round(seconds, 1), **figures},
+            {"stage": name, "partitions": partitions, "seconds": round(seconds, 1), "attempt": attempt, **figures},
         ]
         self._write()
 

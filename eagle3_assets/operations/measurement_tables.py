@@ -63,6 +63,8 @@ def render_run(record: dict[str, Any]) -> str:
 
 def render_stages(record: dict[str, Any]) -> str:
     rows = []
+    # a resumed run's stages carry their attempt: a column then, so a re-run's seconds are not read as the work's
+    attempts = len({stage.get("attempt", 1) for stage in record.get("stages", [])}) > 1
     for stage in record.get("stages", []):
         fullness = stage.get("server_fullness")
         full = (
@@ -71,8 +73,9 @@ def render_stages(record: dict[str, Any]) -> str:
             if fullness
             else "-"
         )
-        rows.append([stage["stage"], stage["partitions"], _num(stage["seconds"], 1), full])
-    return _table(["stage", "partitions", "seconds", "server fullness"], rows)
+        attempt = [stage.get("attempt", 1)] if attempts else []
+        rows.append([stage["stage"], *attempt, stage["partitions"], _num(stage["seconds"], 1), full])
+    return _table(["stage", *(["attempt"] if attempts else []), "partitions", "seconds", "server fullness"], rows)
 
 
 def render_training(record: dict[str, Any]) -> str:
