@@ -136,7 +136,7 @@ def generate_partition(
             return record.get(FINGERPRINT_COLUMN) == fingerprints.get(record.get("sample_id"))  # type: ignore[arg-type]
 
         # a finished file that cannot be read fails the run here; one proven corrupt is archived (run_parts.py)
-        previous, stale_previous = previous_rows(final_path, wanted, current, log, corrupt_dir(layout))
+        previous, stale_previous = previous_rows(final_path, wanted, current, log, corrupt_dir(layout), failed=True)
         # answers to a request that was current once, kept aside when settings changed (or by the other
         # EAGLE3_REGENERATE mode): current again, reused
         archive_path = layout.responses_superseded_path(partition_key)
@@ -159,7 +159,7 @@ def generate_partition(
             line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
             stats, model = _run_pool(*run, log, len(kept), fingerprints, line_dir)
             contents = read_journal(journal_path, current)
-            known = merge_records(previous, _filtered(contents.records, wanted))
+            known = _failed_alike_kept(known, merge_records(previous, _filtered(contents.records, wanted)))
         missing = [sid for sid in ids if sid not in known]
         if missing:  # the engine finishes every sample it is given; this would be a bug, never a silent gap
             raise RuntimeError(f"partition {partition_key}: {len(missing)} samples have no record, e.g. {missing[:3]}")
@@ -179,6 +179,24 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
+
+
+def _failed_alike_kept(
+    before: Mapping[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``after`` with each sample retried to the same failure (status and error, to the same request) back at its
+    earlier row: the partition's bytes, so its data version, change only when an outcome does. A prompt too long for
+    the context fails alike on every re-run; its new row (a new finished_at) made hidden_states and every draft
+    trained on them stale, and a finished draft retrained from scratch on a re-run of the whole pipeline."""
+
+    def alike(earlier: Mapping[str, Any] | None, later: Mapping[str, Any]) -> bool:
+        return (
+            earlier is not None
+            and later.get("status") != STATUS_OK
+            and (earlier.get("status"), earlier.get("error")) == (later.get("status"), later.get("error"))
+        )
+
+    return {sid: before[sid] if alike(before.get(sid), record) else record for sid, record in after.items()}
 
 
 def _read_journal_saying_what_was_dropped(

@@ -133,10 +133,16 @@ def of_partition(wanted: set[str]) -> pl.Expr:
 
 
 def previous_rows(
-    path: Path, wanted: set[str], current: Callable[[Mapping[str, Any]], bool], log: Log, archive_dir: Path
+    path: Path,
+    wanted: set[str],
+    current: Callable[[Mapping[str, Any]], bool],
+    log: Log,
+    archive_dir: Path,
+    failed: bool = False,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """(current ok rows, other ok rows) of an existing finished Parquet (the partition's file, its superseded
-    archive) whose sample, or the conversation a turn belongs to, is still in the partition.
+    archive) whose sample, or the conversation a turn belongs to, is still in the partition. ``failed``: the
+    current failed rows too, among the first (they are retried; one that fails alike keeps its row).
 
     A file written before request fingerprints has no such column: its rows are all not current. A file that
     cannot be read fails the run (:func:`read_finished_parquet`); one proven corrupt is archived in ``archive_dir``.
@@ -146,11 +152,14 @@ def previous_rows(
         return {}, {}
     if FINGERPRINT_COLUMN not in frame.columns:
         frame = frame.with_columns(pl.lit(None, pl.String).alias(FINGERPRINT_COLUMN))
-    frame = frame.filter((pl.col("status") == STATUS_OK) & of_partition(wanted))
+    frame = frame.filter(((pl.col("status") == STATUS_OK) | failed) & of_partition(wanted))
     kept: dict[str, dict[str, Any]] = {}
     stale: dict[str, dict[str, Any]] = {}
     for row in frame.iter_rows(named=True):
-        (kept if current(row) else stale)[row["sample_id"]] = row
+        if row["status"] == STATUS_OK:
+            (kept if current(row) else stale)[row["sample_id"]] = row
+        elif current(row):  # a failure to another request is nothing to keep: that request is not asked again
+            kept[row["sample_id"]] = row
     return kept, stale
 
 

@@ -154,3 +154,22 @@ def test_eagle3_evaluate_refuses_a_stale_held_out_partition(
     error = capsys.readouterr().err
     assert "00001 (built from other responses than those on disk)" in error
     assert re.search(REMEDY, error), error
+
+
+def test_hidden_states_extracted_again_from_the_same_responses_keep_what_a_draft_resumes_on(
+    data: DataLayout,
+) -> None:
+    """Re-materializing hidden_states over unchanged responses (a re-run of the whole pipeline) publishes a new
+    version; its lineage and index must hash as before, or the draft's checkpoint fingerprint changes and a
+    finished draft trains again from scratch."""
+    from eagle3_assets.training.vocab import build_vocab_mapping
+
+    build_vocab_mapping(data, KEYS, 64, target_vocab_size=1024)
+    before = lineage.training_inputs_digest(data, KEYS, cached_tiny_verifier())
+    versions = {key: data.hidden_states_dir(key).resolve() for key in KEYS}
+    for key in KEYS:
+        extract_partition(data, key, cached_tiny_verifier(), HiddenStatesConfig(layer_ids=LAYERS, max_seq_len=96))
+        _record_checks(data, key)
+    build_vocab_mapping(data, KEYS, 64, target_vocab_size=1024)  # vocab_mapping runs again too
+    assert {key: data.hidden_states_dir(key).resolve() for key in KEYS} != versions  # published again
+    assert lineage.training_inputs_digest(data, KEYS, cached_tiny_verifier()) == before
