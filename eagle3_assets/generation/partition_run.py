@@ -28,6 +28,7 @@ from eagle3_assets.generation.records import STATUS_OK, PromptToGenerate, rows_t
 from eagle3_assets.generation.run_common import (
     GenerationResult,
     corrupt_dir,
+    failed_alike_kept,
     generation_result,
     keep_superseded,
     previous_rows,
@@ -159,7 +160,7 @@ def generate_partition(
             line_dir = layout.asset_dir("synthetic_responses") / "_capacity_line"
             stats, model = _run_pool(*run, log, len(kept), fingerprints, line_dir)
             contents = read_journal(journal_path, current)
-            known = _failed_alike_kept(known, merge_records(previous, _filtered(contents.records, wanted)))
+            known = failed_alike_kept(known, merge_records(previous, _filtered(contents.records, wanted)))
         missing = [sid for sid in ids if sid not in known]
         if missing:  # the engine finishes every sample it is given; this would be a bug, never a silent gap
             raise RuntimeError(f"partition {partition_key}: {len(missing)} samples have no record, e.g. {missing[:3]}")
@@ -179,24 +180,6 @@ def generate_partition(
             settings_digest=inputs.settings_digest,
             data_version=data_version,
         )
-
-
-def _failed_alike_kept(
-    before: Mapping[str, dict[str, Any]], after: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, Any]]:
-    """``after`` with each sample retried to the same failure (status and error, to the same request) back at its
-    earlier row: the partition's bytes, so its data version, change only when an outcome does. A prompt too long for
-    the context fails alike on every re-run; its new row (a new finished_at) made hidden_states and every draft
-    trained on them stale, and a finished draft retrained from scratch on a re-run of the whole pipeline."""
-
-    def alike(earlier: Mapping[str, Any] | None, later: Mapping[str, Any]) -> bool:
-        return (
-            earlier is not None
-            and later.get("status") != STATUS_OK
-            and (earlier.get("status"), earlier.get("error")) == (later.get("status"), later.get("error"))
-        )
-
-    return {sid: before[sid] if alike(before.get(sid), record) else record for sid, record in after.items()}
 
 
 def _read_journal_saying_what_was_dropped(

@@ -163,6 +163,24 @@ def previous_rows(
     return kept, stale
 
 
+def failed_alike_kept(
+    before: Mapping[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``after`` with each sample retried to the same failure (status and error, to the same request) back at its
+    earlier row: the partition's bytes, so its data version, change only when an outcome does. A prompt too long for
+    the context fails alike on every re-run; its new row (a new finished_at) made hidden_states and every draft
+    trained on them stale, and a finished draft retrained from scratch on a re-run of the whole pipeline."""
+
+    def alike(earlier: Mapping[str, Any] | None, later: Mapping[str, Any]) -> bool:
+        return (
+            earlier is not None
+            and later.get("status") != STATUS_OK
+            and (earlier.get("status"), earlier.get("error")) == (later.get("status"), later.get("error"))
+        )
+
+    return {sid: before[sid] if alike(before.get(sid), record) else record for sid, record in after.items()}
+
+
 async def sync_loop(journal: Journal, interval: float) -> None:
     loop = asyncio.get_running_loop()
     while True:

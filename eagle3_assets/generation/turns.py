@@ -51,6 +51,7 @@ from eagle3_assets.generation.records import (
 from eagle3_assets.generation.records import rows_to_frame as _frame
 from eagle3_assets.generation.run_common import (
     corrupt_dir,
+    failed_alike_kept,
     generation_result,
     previous_rows,
     read_finished_parquet,
@@ -327,7 +328,7 @@ def generate_all_turns(
             finally:
                 journal.close()
             contents = dataclasses.replace(read_journal(journal_path, current), torn_bytes=contents.torn_bytes)
-            known = merge_records(archived, stored, contents.records)
+            known = failed_alike_kept(known, merge_records(archived, stored, contents.records))
         frame = _frame([conversation_row(c, known, partition_key) for c in conversations.values()])
         turns = _frame([known[t] for t in fingerprints if t in known])
         storage.write_parquet_atomic(turns, store_path)

@@ -320,17 +320,18 @@ def test_hidden_states_are_marked_stale_when_their_responses_change(
     assert (status("00000"), status("00001")) == (StaleStatus.STALE, StaleStatus.FRESH)
 
 
+@pytest.mark.parametrize("regenerate", ["last-turn", "all-turns"])
 def test_a_rerun_whose_failures_fail_alike_leaves_the_partition_and_its_data_version_as_they_were(
-    layout: DataLayout,
+    layout: DataLayout, regenerate: str
 ) -> None:
     """A prompt over the model's context fails with the same 400 on every run. Its retry once rewrote the row (a new
     finished_at), so the partition's data version changed, hidden_states got a new lineage and a finished draft
     retrained from scratch on a re-run of the finished pipeline (demo-real's re-run at 764236e: 66 minutes)."""
     prompts = make_prompts(4, edit={2: "a question far too long for the context " * 40})
     with FakeServerProcess(FakeConfig(token_rate=20000, median_tokens=20, max_model_len=64)) as small:
-        first = run(layout, small.base_url, prompts)
+        first = run(layout, small.base_url, prompts, regenerate=regenerate)
         written = layout.responses_path(KEY).read_bytes()
-        again = run(layout, small.base_url, prompts)
+        again = run(layout, small.base_url, prompts, regenerate=regenerate)
     assert (first.ok, first.failed) == (3, 1) and (again.requested, again.ok, again.failed) == (1, 3, 1)
     assert again.data_version == first.data_version
     assert layout.responses_path(KEY).read_bytes() == written
