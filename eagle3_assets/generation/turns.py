@@ -225,7 +225,8 @@ def _bare_failed(conv: Conversation, partition_key: str, error: str) -> Record:
         "messages": list(conv.system),
         "status": STATUS_FAILED,
         "error": error,
-        "finished_at": time.time(),
+        # no request was made: a time here would be new on every run, and with it the partition's data version
+        "finished_at": None,
         "turns_regenerated": 0,
         "turns_total": 0,
     }

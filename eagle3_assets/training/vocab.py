@@ -104,13 +104,20 @@ def save_vocab_mapping(d2t: Any, t2d: Any, path: Path) -> None:
 
 
 def _sorted_header(data: bytes) -> bytes:
-    """safetensors bytes with their JSON header's keys sorted, padded to its length. safetensors writes the
-    metadata from a hash map: its order, so the file's bytes, changed from one build of the same mapping to the
-    next, and with them the checkpoint fingerprint that hashes the file: a finished draft trained again from
-    scratch after an unchanged ``vocab_mapping`` re-run (one time in two)."""
+    """safetensors bytes with the metadata in their JSON header sorted by key, padded to the header's length.
+    safetensors writes the metadata from a hash map: its order, so the file's bytes, changed from one build of the
+    same mapping to the next, and with them the checkpoint fingerprint that hashes the file: a finished draft trained
+    again from scratch after an unchanged ``vocab_mapping`` re-run (one time in two). Only the metadata is sorted:
+    the tensors' entries keep safetensors' order, so the bytes are those of one of its two layouts, and a
+    checkpoint trained on a mapping written in that layout still resumes."""
     length = int.from_bytes(data[:8], "little")
-    header = json.dumps(json.loads(data[8 : 8 + length]), sort_keys=True, separators=(",", ":")).encode()
-    return data[:8] + header.ljust(length) + data[8 + length :]  # the same keys and values: never longer
+    header = json.loads(data[8 : 8 + length])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:  # not from the same keys and values in safetensors' compact form: leave it as written
+        return data
+    return data[:8] + text.ljust(length) + data[8 + length :]
 
 
 @dataclass(frozen=True)

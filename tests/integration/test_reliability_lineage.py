@@ -336,3 +336,19 @@ def test_a_rerun_whose_failures_fail_alike_leaves_the_partition_and_its_data_ver
     assert again.data_version == first.data_version
     assert layout.responses_path(KEY).read_bytes() == written
     assert hashing.file_digest(layout.responses_path(KEY)) == first.data_version
+
+
+def test_a_retry_that_ends_otherwise_or_answers_another_prompt_is_a_new_row(layout: DataLayout) -> None:
+    """The earlier failed row is kept only for a retry that fails alike, to the same request."""
+    long = "a question far too long for the context " * 40
+    prompts = make_prompts(4, edit={2: long})
+    with FakeServerProcess(FakeConfig(token_rate=20000, median_tokens=20, max_model_len=64)) as small:
+        first = run(layout, small.base_url, prompts)
+        failed = pl.read_parquet(layout.responses_path(KEY)).filter(pl.col("sample_id") == "fp-002")
+        edited = run(layout, small.base_url, make_prompts(4, edit={2: long + "edited"}))  # still too long
+    row = pl.read_parquet(layout.responses_path(KEY)).filter(pl.col("sample_id") == "fp-002").row(0, named=True)
+    assert edited.failed == 1 and edited.data_version != first.data_version
+    assert row["messages"][0]["content"].endswith("edited") and row["finished_at"] != failed["finished_at"][0]
+    with FakeServerProcess(FakeConfig(token_rate=20000, median_tokens=20, max_model_len=4096)) as large:
+        answered = run(layout, large.base_url, make_prompts(4, edit={2: long + "edited"}))
+    assert (answered.requested, answered.ok, answered.failed) == (1, 4, 0)

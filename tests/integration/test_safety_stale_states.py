@@ -161,7 +161,8 @@ def test_hidden_states_extracted_again_from_the_same_responses_keep_what_a_draft
 ) -> None:
     """Re-materializing hidden_states over unchanged responses (a re-run of the whole pipeline) publishes a new
     version; its lineage and index must hash as before, or the draft's checkpoint fingerprint changes and a
-    finished draft trains again from scratch."""
+    finished draft trains again from scratch. (The mapping's bytes varied one rebuild in two: a single rebuild here
+    catches that only by chance; tests/unit/test_vocab_mapping_bytes.py is its guard.)"""
     from eagle3_assets.training.vocab import build_vocab_mapping
 
     build_vocab_mapping(data, KEYS, 64, target_vocab_size=1024)

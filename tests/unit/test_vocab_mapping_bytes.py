@@ -24,3 +24,23 @@ def test_the_same_mapping_is_written_as_the_same_bytes_and_reads_back(tmp_path: 
     assert len(written) == 1
     loaded = load_file(tmp_path / "0.safetensors")
     assert torch.equal(loaded["d2t"], d2t) and torch.equal(loaded["t2d"], t2d)
+
+
+def test_the_sorted_header_is_one_of_the_layouts_safetensors_writes_and_never_longer() -> None:
+    """A checkpoint trained on a mapping written before the sort resumes when its file had the sorted layout; a
+    header that would not fit its length (not possible from safetensors' compact form) is left as written."""
+    from safetensors.torch import load, save
+
+    from eagle3_assets.training.vocab import _sorted_header
+
+    tensors = {"d2t": torch.arange(4), "t2d": torch.ones(8, dtype=torch.bool)}
+    metadata = {"target_vocab_size": "8", "draft_vocab_size": "4", "note": "é—x"}
+    layouts = {save(tensors, metadata=metadata) for _ in range(64)}
+    assert len(layouts) > 1  # safetensors' own order varies: what the sort is for
+    sorted_bytes = {_sorted_header(data) for data in layouts}
+    assert len(sorted_bytes) == 1 and sorted_bytes <= layouts
+    (one,) = sorted_bytes
+    assert load(one).keys() == tensors.keys() and all(torch.equal(load(one)[k], v) for k, v in tensors.items())
+    header = b'{"__metadata__":{"b":"1","a":"2"},"x":1e2}'  # re-dumped, 1e2 is 100.0: longer than it was
+    too_long = len(header).to_bytes(8, "little") + header
+    assert _sorted_header(too_long) == too_long
