@@ -326,7 +326,7 @@ def test_a_rerun_whose_failures_fail_alike_leaves_the_partition_and_its_data_ver
 ) -> None:
     """A prompt over the model's context fails with the same 400 on every run. Its retry once rewrote the row (a new
     finished_at), so the partition's data version changed, hidden_states got a new lineage and a finished draft
-    retrained from scratch on a re-run of the finished pipeline (demo-real's re-run at 764236e: 66 minutes)."""
+    retrained from scratch on a re-run of the finished pipeline (demo-real's re-run at 764236e: its 66-minute draft)."""
     prompts = make_prompts(4, edit={2: "a question far too long for the context " * 40})
     with FakeServerProcess(FakeConfig(token_rate=20000, median_tokens=20, max_model_len=64)) as small:
         first = run(layout, small.base_url, prompts, regenerate=regenerate)
